@@ -1,0 +1,183 @@
+"""
+The baseline: a nanoGPT-style GPT (GPT-2 architecture, learned position embeddings)
+that generates the naive way. Every new token re-runs the whole context through all
+blocks, so step t costs O(t) and a full generation costs O(T^2).
+
+kv_cache.py is this same model (same parameters, same names) with a forward() that
+reuses the keys and values of past tokens instead of recomputing them.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from sample import sample
+
+
+@dataclass
+class GPTConfig:
+    # The defaults are the bundled demo model's shape (checkpoints/README.md).
+    block_size: int = 256     # longest context; learned position embeddings end here
+    vocab_size: int = 4096
+    n_layer: int = 6          # the seeds' "six blocks"
+    n_head: int = 6
+    n_embd: int = 384
+    dropout: float = 0.0
+    bias: bool = True         # biases in Linear and LayerNorm, as in GPT-2
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+
+    @property
+    def head_dim(self):
+        return self.n_embd // self.n_head
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        # q, k and v for all heads in one matmul (GPT-2's c_attn), then the output projection
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def qkv(self, x):
+        """Project x (B, T, C) to per-head q, k, v, each (B, nh, T, hd)."""
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        return [t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v)]
+
+    def project_out(self, y):
+        """Merge heads (B, nh, T, hd) -> (B, T, C) and apply the output projection."""
+        B, nh, T, hd = y.shape
+        y = y.transpose(1, 2).reshape(B, T, nh * hd)
+        return self.resid_dropout(self.c_proj(y))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.project_out(y)
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        # GPT-2 uses the tanh approximation of GELU; matching it keeps real GPT-2 weights exact
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
+        self.apply(self._init_weights)
+        # GPT-2's scaled init: residual projections shrink with depth so the residual
+        # stream's variance does not grow with the number of blocks
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self):
+        # the tied lm_head shares wte's tensor, so parameters() counts it once
+        return sum(p.numel() for p in self.parameters())
+
+    def embed(self, idx, start_pos=0):
+        """Token plus position embeddings for idx (B, T) placed at start_pos, start_pos+1, ..."""
+        T = idx.size(1)
+        if start_pos + T > self.config.block_size:
+            raise ValueError(
+                f"sequence of {start_pos + T} positions exceeds block_size {self.config.block_size}: "
+                "learned position embeddings end there; crop the context")
+        pos = torch.arange(start_pos, start_pos + T, device=idx.device)  # (T,)
+        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+
+    def head(self, x):
+        """Final LayerNorm and the tied output projection: (B, T, C) -> logits (B, T, V)."""
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def forward(self, idx, targets=None):
+        x = self.embed(idx)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.head(x)  # (B, T, V): every position, so parity checks can compare them all
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1),
+                                   ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+               generator=None, stats=None, num_samples=1):
+        """Yield the next token of every row, (B, 1), one step at a time.
+
+        The naive loop: each step feeds the whole context (cropped to block_size) through
+        every block, recomputing keys and values it computed last step. If given, the dict
+        `stats` counts forward passes and the positions they processed: O(T^2) here.
+        num_samples > 1 repeats each prompt row that many times."""
+        idx = idx.repeat_interleave(num_samples, dim=0)
+        stats = {} if stats is None else stats
+        stats.update(forward_passes=0, positions_processed=0)
+        for _ in range(max_new_tokens):
+            idx_cond = idx[:, -self.config.block_size:]
+            logits, _ = self(idx_cond)
+            stats["forward_passes"] += 1
+            stats["positions_processed"] += idx_cond.size(1)
+            next_token = sample(logits[:, -1, :], temperature, top_k, top_p, generator)
+            idx = torch.cat((idx, next_token), dim=1)
+            yield next_token
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+                 generator=None):
+        """Return idx (B, T) with max_new_tokens sampled tokens appended: (B, T + max_new_tokens).
+
+        Shared by GPT and KVCacheGPT: only stream() differs between them."""
+        new_tokens = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator))
+        return torch.cat([idx, *new_tokens], dim=1)

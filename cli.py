@@ -1,0 +1,87 @@
+"""
+What the command-line scripts share: the model flags, device and dtype choice, and the
+rule that a user mistake ends in one line on stderr and exit status 2, never a traceback.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from checkpoint import CheckpointError, load_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UserError(ValueError):
+    """Bad input from the user; its message is the one line they will see."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse prints the whole usage block on an error; one line is easier to read."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_model_args(parser):
+    parser.add_argument("--ckpt", help="checkpoint file (default: checkpoints/ckpt_sft.pt, "
+                        "then checkpoints/ckpt_base.pt, then the bundled Shakespeare model)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                        help="auto picks cuda, then mps, then cpu (default: auto)")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                        help="weights and activations (default: float32)")
+    parser.add_argument("--seed", type=int, default=1337, help="random seed (default: 1337)")
+
+
+def pick_device(name):
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA GPU is visible to this PyTorch build; use --device cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UserError("--device mps: Apple's Metal backend is not available here; use --device cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name, device):
+    dtype = DTYPES[name]
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UserError("--dtype bfloat16: this GPU has no bfloat16 support; use --dtype float16")
+    return dtype
+
+
+def load_from_args(cls, args):
+    """(model, tokenizer, device) for the --ckpt/--device/--dtype flags; seeds torch."""
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_model(cls, args.ckpt, device=device, dtype=dtype,
+                                  report=lambda line: print(line, file=sys.stderr))
+    return model, tokenizer, device
+
+
+def run(main):
+    """Call main(); a user mistake prints one line and exits 2, Ctrl-C exits 130 quietly."""
+    try:
+        main()
+    except (UserError, CheckpointError) as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BrokenPipeError:  # output piped into `head`, which closed early
+        sys.stderr.close()
+        sys.exit(0)

@@ -1,0 +1,76 @@
+"""
+Turning logits into tokens: temperature, top-k, top-p (nucleus) and greedy.
+
+    P(x_i) = exp(z_i / T) / sum_j exp(z_j / T)
+
+Temperature T < 1 sharpens the distribution, T > 1 flattens it, T = 0 is greedy argmax.
+Top-k keeps the k most likely tokens; top-p keeps the smallest set of most likely tokens
+whose probabilities add up to at least p, so the pool shrinks when the model is confident.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def check_sampling_args(temperature=1.0, top_k=None, top_p=None):
+    """Raise ValueError for settings that have no meaning, before any work is done."""
+    if not temperature >= 0:  # also catches NaN
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def clean_logits(logits):
+    """fp32 copy of logits (B, V) that softmax cannot turn into NaN.
+
+    A NaN logit is treated as an excluded token. A +inf logit means "certain": when a row
+    has any, only those tokens stay in it, equally likely. A row with no finite or +inf
+    logit has no token to pick, and that is an error rather than a silent choice."""
+    logits = logits.float().nan_to_num(nan=float("-inf"), posinf=float("inf"))
+    certain = torch.isposinf(logits)
+    if certain.any():
+        has_certain = certain.any(dim=-1, keepdim=True)
+        logits = torch.where(has_certain, torch.where(certain, 0.0, float("-inf")), logits)
+    if torch.isneginf(logits).all(dim=-1).any():
+        raise ValueError("a row of logits excludes every token (all -inf or NaN): nothing to sample")
+    # softmax does not change when a row's max is subtracted; doing it first means that
+    # dividing by a tiny temperature cannot overflow to inf
+    return logits - logits.max(dim=-1, keepdim=True).values
+
+
+def top_k_filter(logits, k):
+    """Keep exactly the k largest logits of each row (ties broken by index), -inf elsewhere."""
+    k = min(k, logits.size(-1))
+    values, indices = torch.topk(logits, k, dim=-1)
+    return torch.full_like(logits, float("-inf")).scatter(-1, indices, values)
+
+
+def top_p_filter(probs, p):
+    """Zero every token outside the nucleus: the smallest set of most likely tokens whose
+    probabilities reach p. A token stays when the tokens ranked above it add up to less
+    than p, so the most likely token always stays."""
+    sorted_probs, sorted_idx = torch.sort(probs, dim=-1, descending=True)
+    mass_above = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    drop_sorted = mass_above >= p
+    drop = drop_sorted.scatter(-1, sorted_idx, drop_sorted)  # back to vocabulary order
+    return probs.masked_fill(drop, 0.0)
+
+
+def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """Pick one token per row of logits (B, V); returns a LongTensor (B, 1).
+
+    Never modifies `logits`. `generator`, a torch.Generator, makes draws reproducible."""
+    check_sampling_args(temperature, top_k, top_p)
+    if temperature == 0:
+        # greedy: no softmax, no random draw. NaN would win argmax, so it is excluded first.
+        return logits.nan_to_num(nan=float("-inf"), posinf=float("inf")).argmax(dim=-1, keepdim=True)
+    logits = clean_logits(logits) / temperature
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    probs = F.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1:
+        probs = top_p_filter(probs, top_p)
+    # multinomial does not need the row to sum to 1, so no renormalisation after top-p
+    return torch.multinomial(probs, num_samples=1, generator=generator)

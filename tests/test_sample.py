@@ -1,0 +1,111 @@
+"""sample(): greedy, temperature, top-k, top-p, argument checks, no mutation, seeding."""
+
+import math
+
+import pytest
+import torch
+
+from sample import sample
+
+N = 4000  # draws per empirical check; frequencies are then within ~0.02 of their probability
+
+
+def draws(logits, **kw):
+    """N samples from a single row of logits, as a flat tensor of token ids."""
+    g = torch.Generator().manual_seed(0)
+    return sample(logits.expand(N, -1), generator=g, **kw).squeeze(1)
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 50)
+    assert torch.equal(sample(logits, temperature=0), logits.argmax(-1, keepdim=True))
+
+
+def test_shape_and_dtype():
+    out = sample(torch.randn(3, 17))
+    assert out.shape == (3, 1) and out.dtype == torch.long
+
+
+def test_top_k_keeps_only_the_k_largest():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.5, 2.9, -1.0]])
+    assert set(draws(logits, top_k=3).tolist()) == {1, 3, 4}
+    assert set(draws(logits, top_k=1).tolist()) == {1}
+
+
+def test_top_k_larger_than_vocab_is_clamped():
+    logits = torch.zeros(1, 4)
+    assert set(draws(logits, top_k=100).tolist()) == {0, 1, 2, 3}
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = torch.tensor([[0.5, 0.05, 0.3, 0.15]])
+    logits = probs.log()
+    # 0.5 < 0.6, then 0.5 + 0.3 = 0.8 reaches 0.6: the nucleus is {0, 2}
+    assert set(draws(logits, top_p=0.6).tolist()) == {0, 2}
+    # exactly reaching p counts: 0.5 + 0.3 = 0.8 >= 0.8
+    assert set(draws(logits, top_p=0.8).tolist()) == {0, 2}
+    assert set(draws(logits, top_p=0.81).tolist()) == {0, 2, 3}
+    # the most likely token always stays, however small p is
+    assert set(draws(logits, top_p=0.01).tolist()) == {0}
+
+
+def test_top_p_renormalises_within_the_nucleus():
+    logits = torch.tensor([[0.5, 0.05, 0.3, 0.15]]).log()
+    counts = torch.bincount(draws(logits, top_p=0.6), minlength=4).float() / N
+    assert abs(counts[0].item() - 0.5 / 0.8) < 0.03 and abs(counts[2].item() - 0.3 / 0.8) < 0.03
+
+
+def test_top_k_and_top_p_combine():
+    logits = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
+    # top-k=3 leaves 0.4, 0.3, 0.2 (renormalised 0.44, 0.33, 0.22); top-p 0.7 then keeps 2
+    assert set(draws(logits, top_k=3, top_p=0.7).tolist()) == {0, 1}
+
+
+def entropy_of_draws(samples, vocab):
+    p = torch.bincount(samples, minlength=vocab).float() / len(samples)
+    p = p[p > 0]
+    return -(p * p.log()).sum().item()
+
+
+def test_temperature_sharpens_and_flattens():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    h = {t: entropy_of_draws(draws(logits, temperature=t), 5) for t in (0.3, 1.0, 3.0)}
+    assert h[0.3] < h[1.0] < h[3.0] < math.log(5) + 1e-6
+    # at T=1 the frequencies follow softmax(logits)
+    freq = torch.bincount(draws(logits), minlength=5).float() / N
+    assert (freq - logits.softmax(-1)[0]).abs().max().item() < 0.03
+
+
+def test_input_is_not_modified():
+    for kw in ({}, {"temperature": 0}, {"top_k": 2}, {"top_p": 0.5}, {"temperature": 0.5, "top_k": 3, "top_p": 0.9}):
+        logits = torch.randn(2, 10)
+        before = logits.clone()
+        sample(logits, **kw)
+        assert torch.equal(logits, before), kw
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_k": 0}, "top_k"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+])
+def test_bad_arguments_raise(kw, message):
+    with pytest.raises(ValueError, match=message):
+        sample(torch.randn(1, 5), **kw)
+
+
+def test_generator_makes_sampling_reproducible():
+    logits = torch.randn(4, 100)
+    a = sample(logits, generator=torch.Generator().manual_seed(7))
+    b = sample(logits, generator=torch.Generator().manual_seed(7))
+    many = {tuple(sample(logits, generator=torch.Generator().manual_seed(s)).flatten().tolist())
+            for s in range(5)}
+    assert torch.equal(a, b) and len(many) > 1
+
+
+def test_rows_are_sampled_independently():
+    # row 0 can only pick token 0, row 1 only token 2, whatever the other row holds
+    logits = torch.tensor([[5.0, -float("inf"), -float("inf")], [-float("inf"), -float("inf"), 1.0]])
+    assert sample(logits).flatten().tolist() == [0, 2]
