@@ -154,13 +154,14 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-               generator=None, stats=None, num_samples=1):
+               generator=None, stats=None, num_samples=1, vocab_limit=None):
         """Yield the next token of every row, (B, 1), one step at a time.
 
         The naive loop: each step feeds the whole context (cropped to block_size) through
         every block, recomputing keys and values it computed last step. If given, the dict
         `stats` counts forward passes and the positions they processed: O(T^2) here.
-        num_samples > 1 repeats each prompt row that many times."""
+        num_samples > 1 repeats each prompt row that many times. vocab_limit, the tokenizer's
+        size, keeps padding rows of a larger embedding table from ever being sampled."""
         idx = idx.repeat_interleave(num_samples, dim=0)
         stats = {} if stats is None else stats
         stats.update(forward_passes=0, positions_processed=0)
@@ -169,15 +170,16 @@ class GPT(nn.Module):
             logits, _ = self(idx_cond)
             stats["forward_passes"] += 1
             stats["positions_processed"] += idx_cond.size(1)
-            next_token = sample(logits[:, -1, :], temperature, top_k, top_p, generator)
+            next_token = sample(logits[:, -1, :vocab_limit], temperature, top_k, top_p, generator)
             idx = torch.cat((idx, next_token), dim=1)
             yield next_token
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                 generator=None):
+                 generator=None, vocab_limit=None):
         """Return idx (B, T) with max_new_tokens sampled tokens appended: (B, T + max_new_tokens).
 
         Shared by GPT and KVCacheGPT: only stream() differs between them."""
-        new_tokens = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator))
+        new_tokens = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator,
+                                      vocab_limit=vocab_limit))
         return torch.cat([idx, *new_tokens], dim=1)

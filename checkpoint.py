@@ -11,6 +11,7 @@ one that says nothing is taken to use GPT-2's encoding, as nanoGPT-style checkpo
 
 import dataclasses
 import pickle
+import re
 from pathlib import Path
 
 import tiktoken
@@ -45,18 +46,24 @@ def read_checkpoint(path):
         raise CheckpointError(f"{path}: no such file")
     if path.is_dir():
         raise CheckpointError(f"{path}: is a directory, expected a checkpoint file (.pt)")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    # torch.save writes a zip archive (PK..); older files are a bare pickle (protocol byte 0x80)
+    if not (magic.startswith(b"PK\x03\x04") or magic[:1] == b"\x80"):
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint (not a torch.save file)")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         # weights_only refuses anything but tensors and plain containers: this is where a
         # pickle that would run code on load ends up, before any of it runs
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        found = re.search(r"Unsupported (global|operand)[^\n]*?(?=\s+was|\n|$)", str(e))
         raise CheckpointError(
             f"{path}: refused, it holds objects other than tensors and plain data "
-            f"(loaded with weights_only=True; a checkpoint is data, never code): {reason}") from None
+            f"({found.group(0) if found else 'unsupported pickle content'}); "
+            "a checkpoint is data, never code, so only weights_only=True loading is done") from None
     except Exception as e:  # torch.load fails in many ways on a file that is not one
         raise CheckpointError(
-            f"{path}: not a readable PyTorch checkpoint (truncated or another format?): "
+            f"{path}: not a readable PyTorch checkpoint (truncated or damaged?): "
             f"{type(e).__name__}") from None
 
 

@@ -33,8 +33,11 @@ def positive_int(text):
 
 
 def add_model_args(parser):
-    parser.add_argument("--ckpt", help="checkpoint file (default: checkpoints/ckpt_sft.pt, "
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--ckpt", help="checkpoint file (default: checkpoints/ckpt_sft.pt, "
                         "then checkpoints/ckpt_base.pt, then the bundled Shakespeare model)")
+    source.add_argument("--hf", metavar="DIR", help="a local Hugging Face GPT-2 directory "
+                        "(config.json and model.safetensors or pytorch_model.bin)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
                         help="auto picks cuda, then mps, then cpu (default: auto)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
@@ -68,8 +71,11 @@ def load_from_args(cls, args):
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     torch.manual_seed(args.seed)
-    model, tokenizer = load_model(cls, args.ckpt, device=device, dtype=dtype,
-                                  report=lambda line: print(line, file=sys.stderr))
+    load = load_model
+    if args.hf:
+        from hf_gpt2 import load_hf_model as load  # only --hf users need this bridge
+    model, tokenizer = load(cls, args.hf or args.ckpt, device=device, dtype=dtype,
+                            report=lambda line: print(line, file=sys.stderr))
     return model, tokenizer, device
 
 

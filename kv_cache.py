@@ -148,7 +148,7 @@ class KVCacheGPT(GPT):
 
     @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-               generator=None, stats=None, num_samples=1, preallocate=True):
+               generator=None, stats=None, num_samples=1, vocab_limit=None, preallocate=True):
         """Yield the next token of every row, (B * num_samples, 1), one step at a time.
 
         The one cached generation loop of the project: the prompt is prefilled in one pass,
@@ -156,7 +156,8 @@ class KVCacheGPT(GPT):
         and its cache shared by num_samples rows. Past block_size, learned positions run
         out and a cache cannot slide under them: the oldest half of the window is dropped
         and the rest re-prefilled at positions 0.. (one full pass every block_size/2 tokens).
-        `stats`, a dict, is filled with counters and the prefill time."""
+        `stats`, a dict, is filled with counters and the prefill time. vocab_limit: as in
+        GPT.stream."""
         check_sampling_args(temperature, top_k, top_p)
         stats = {} if stats is None else stats
         stats.update(forward_passes=0, positions_processed=0, prefill_passes=0, reprefills=0)
@@ -187,7 +188,7 @@ class KVCacheGPT(GPT):
 
         try:
             for step in range(max_new_tokens):
-                next_token = sample(logits[:, -1, :], temperature, top_k, top_p, generator)
+                next_token = sample(logits[:, -1, :vocab_limit], temperature, top_k, top_p, generator)
                 yield next_token
                 if step == max_new_tokens - 1:
                     break  # the last token needs no forward pass after it
@@ -222,11 +223,11 @@ def incremental_logits(model, idx, chunk, preallocate):
     return torch.cat(pieces, dim=1), cache
 
 
-def timed_generate(model, idx, n):
+def timed_generate(model, idx, n, vocab_limit):
     """(tokens, tokens per second) for a greedy generation of n tokens."""
     synchronize(idx.device)
     t0 = time.perf_counter()
-    out = model.generate(idx, n, temperature=0)
+    out = model.generate(idx, n, temperature=0, vocab_limit=vocab_limit)
     synchronize(idx.device)
     return out, n / (time.perf_counter() - t0)
 
@@ -263,10 +264,11 @@ def main():
 
     print(f"\n2. Speed: {args.tokens} new tokens, greedy, batch 1, {device.type}")
     prompt = torch.tensor([tokenizer.encode("ROMEO:\n")], device=device)
-    timed_generate(model, prompt, 8)  # warm-up: first calls pay for allocation and dispatch setup
-    timed_generate(naive, prompt, 8)
-    cached_out, cached_tps = timed_generate(model, prompt, args.tokens)
-    naive_out, naive_tps = timed_generate(naive, prompt, args.tokens)
+    n_vocab = tokenizer.n_vocab
+    timed_generate(model, prompt, 8, n_vocab)  # warm-up: first calls pay for allocation
+    timed_generate(naive, prompt, 8, n_vocab)
+    cached_out, cached_tps = timed_generate(model, prompt, args.tokens, n_vocab)
+    naive_out, naive_tps = timed_generate(naive, prompt, args.tokens, n_vocab)
     print(f"   without cache (base_model.GPT.generate): {naive_tps:8.1f} tokens/s")
     print(f"   with cache    (KVCacheGPT.generate)    : {cached_tps:8.1f} tokens/s")
     print(f"   speedup: {cached_tps / naive_tps:.2f}x; same tokens: "

@@ -1,0 +1,137 @@
+"""generate.py as a user runs it: a subprocess on the bundled model."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from checkpoint import BUNDLED, ROOT, load_model
+from generate import SampleText
+from kv_cache import KVCacheGPT
+
+BLOCK_SIZE = 256  # the bundled model's context (checked below)
+
+
+def run_cli(*args, stdin=None, script="generate.py", ckpt=True):
+    cmd = [sys.executable, str(ROOT / script), *(["--ckpt", str(BUNDLED)] if ckpt else []), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, input=stdin, timeout=300,
+                          encoding="utf-8", errors="strict")
+
+
+def generate(*args, **kw):
+    proc = run_cli(*args, **kw)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def generate_json(*args):
+    return json.loads(generate(*args, "--json").stdout)
+
+
+def test_greedy_cached_equals_no_cache():
+    args = ("--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "80", "--ignore-eot")
+    cached = generate(*args).stdout
+    assert cached.startswith("ROMEO:") and len(cached) > 100
+    assert generate(*args, "--no-cache").stdout == cached
+
+
+def test_same_seed_same_text_cached_or_not():
+    args = ("--prompt", "JULIET:", "--seed", "7", "--top-k", "40", "--max-new-tokens", "60")
+    first = generate(*args).stdout
+    assert generate(*args).stdout == first
+    assert generate(*args, "--no-cache").stdout == first
+    assert generate("--prompt", "JULIET:", "--seed", "8", "--top-k", "40",
+                    "--max-new-tokens", "60").stdout != first
+
+
+def test_num_samples_prefill_once_and_print_separately():
+    out = generate_json("--prompt", "KING:", "--num-samples", "3", "--max-new-tokens", "40",
+                        "--seed", "3")
+    assert len(out["texts"]) == 3 and len(set(out["texts"])) > 1
+    assert out["stats"]["prefill_passes"] == 1
+    text = generate("--prompt", "KING:", "--num-samples", "3", "--max-new-tokens", "40",
+                    "--seed", "3").stdout
+    for i, sample in enumerate(out["texts"]):
+        assert f"--- sample {i + 1} of 3 ---\nKING:{sample}\n" in text
+
+
+def test_stop_string_truncates_and_is_not_printed():
+    args = ("--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "120", "--ignore-eot")
+    full = generate_json(*args)["texts"][0]
+    stop = full[40:44]  # some string the greedy text contains
+    cut = full[:full.index(stop)]
+    out = generate_json(*args, "--stop", stop, "--stop", "never-in-this-text")
+    assert out["texts"] == [cut]
+    assert out["stats"]["decode_steps"] < 120  # stopped early, not just truncated at the end
+    assert generate(*args, "--stop", stop).stdout == "ROMEO:" + cut + "\n"
+
+
+def test_ten_times_block_size_tokens():
+    assert load_model(KVCacheGPT, BUNDLED, report=lambda _: None)[0].config.block_size == BLOCK_SIZE
+    n = 10 * BLOCK_SIZE
+    out = generate_json("--prompt", "", "--max-new-tokens", str(n), "--ignore-eot", "--seed", "1")
+    assert out["stats"]["new_tokens"] == [n]
+    assert out["stats"]["reprefills"] >= n // (BLOCK_SIZE // 2) - 1
+    assert out["stats"]["cache_positions"] <= BLOCK_SIZE
+
+
+def test_streamed_utf8_never_breaks_characters():
+    prompt = "Çà et là, naïve café 👋🎭 — "
+    for seed in range(3):
+        proc = generate("--prompt", prompt, "--seed", str(seed), "--max-new-tokens", "60",
+                        "--temperature", "1.0")
+        assert proc.stdout.startswith(prompt) and "\ufffd" not in proc.stdout
+
+
+def test_sample_text_holds_back_partial_characters():
+    _, tok = load_model(KVCacheGPT, BUNDLED, report=lambda _: None)
+    text = "naïve 👋🎭 café"
+    ids = tok.encode_ordinary(text)
+    assert len(ids) > len(text) // 2  # emoji are split across several byte tokens
+    sample, seen = SampleText(tok, stops=[]), []
+    for i in ids:
+        sample.add(i)
+        seen.append(sample.text[:sample.ready()])
+    assert all("\ufffd" not in s and text.startswith(s) for s in seen) and seen[-1] == text
+
+
+def test_json_output_has_documented_keys():
+    out = generate_json("--prompt", "ROMEO:", "--max-new-tokens", "10")
+    assert set(out) == {"prompt", "texts", "stats"}
+    assert {"prompt_tokens", "new_tokens", "decode_steps", "prefill_seconds",
+            "time_to_first_token_seconds", "decode_tokens_per_second", "forward_passes",
+            "prefill_passes", "positions_processed", "cache_positions", "cache_bytes_formula",
+            "cache_bytes_allocated", "cache_formula", "reprefills"} <= set(out["stats"])
+
+
+def test_stats_go_to_stderr_and_stdout_stays_text():
+    proc = generate("--prompt", "ROMEO:", "--max-new-tokens", "10", "--stats", "--temperature", "0")
+    assert "decode:" in proc.stderr and "KV cache:" in proc.stderr and "by the formula" in proc.stderr
+    assert "tokens/s" not in proc.stdout
+
+
+def test_prompt_from_file_stdin_and_empty():
+    from_stdin = generate("--prompt", "-", "--temperature", "0", "--max-new-tokens", "10",
+                          stdin="ROMEO:").stdout
+    assert from_stdin == generate("--prompt", "ROMEO:", "--temperature", "0",
+                                  "--max-new-tokens", "10").stdout
+    empty = generate_json("--max-new-tokens", "5", "--temperature", "0")
+    assert empty["stats"]["prompt_tokens"] == 1  # the end-of-text token
+
+
+def test_long_prompt_is_cropped_with_one_note(tmp_path):
+    path = tmp_path / "long.txt"
+    path.write_text("To be, or not to be, that is the question. " * 200, encoding="utf-8")
+    proc = generate("--prompt-file", str(path), "--max-new-tokens", "5", "--json")
+    assert proc.stderr.count("note: the prompt has") == 1
+    assert json.loads(proc.stdout)["stats"]["prompt_tokens"] == BLOCK_SIZE
+
+
+def test_score_reports_bits_per_char(tmp_path):
+    path = tmp_path / "snippet.txt"
+    path.write_text("MACBETH:\nIs this a dagger which I see before me,\n"
+                    "The handle toward my hand? Come, let me clutch thee.\n", encoding="utf-8")
+    out = json.loads(generate("--score", str(path), "--json").stdout)
+    assert out["chars"] == len(path.read_text(encoding="utf-8"))
+    assert 0 < out["bits_per_char"] < 3.5 and 0 < out["nats_per_token"] < 6
