@@ -11,6 +11,8 @@ whose probabilities add up to at least p, so the pool shrinks when the model is 
 import torch
 import torch.nn.functional as F
 
+FP32 = torch.finfo(torch.float32)
+
 
 def check_sampling_args(temperature=1.0, top_k=None, top_p=None):
     """Raise ValueError for settings that have no meaning, before any work is done."""
@@ -22,13 +24,20 @@ def check_sampling_args(temperature=1.0, top_k=None, top_p=None):
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
+def without_nan(logits):
+    """NaN -> -inf, infinities kept. All three values must be given: nan_to_num's defaults
+    turn +-inf into the dtype's finite extremes, which made -inf tokens sampleable (they got
+    weight at huge temperatures) and an all -inf row never raise."""
+    return logits.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+
+
 def clean_logits(logits):
     """fp32 copy of logits (B, V) that softmax cannot turn into NaN.
 
     A NaN logit is treated as an excluded token. A +inf logit means "certain": when a row
     has any, only those tokens stay in it, equally likely. A row with no finite or +inf
     logit has no token to pick, and that is an error rather than a silent choice."""
-    logits = logits.float().nan_to_num(nan=float("-inf"), posinf=float("inf"))
+    logits = without_nan(logits.float())
     certain = torch.isposinf(logits)
     if certain.any():
         has_certain = certain.any(dim=-1, keepdim=True)
@@ -65,7 +74,12 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     check_sampling_args(temperature, top_k, top_p)
     if temperature == 0:
         # greedy: no softmax, no random draw. NaN would win argmax, so it is excluded first.
-        return logits.nan_to_num(nan=float("-inf"), posinf=float("inf")).argmax(dim=-1, keepdim=True)
+        return without_nan(logits).argmax(dim=-1, keepdim=True)
+    # fp32 cannot hold every positive Python float: a temperature under ~1e-45 rounds to 0
+    # (0/0 = NaN at the row's max: multinomial raised), one over ~3.4e38 to inf (-inf/inf =
+    # NaN at excluded tokens, which were then sampled). Clamped to fp32's normal range,
+    # they act as the extremes they are: greedy-like, or uniform over the allowed tokens.
+    temperature = min(max(temperature, FP32.tiny), FP32.max)
     logits = clean_logits(logits) / temperature
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
