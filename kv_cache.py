@@ -23,37 +23,33 @@ from sample import check_sampling_args, sample
 
 
 class KVCache:
-    """A preallocated cache: one k and one v buffer, (n_layer, B, nh, max_len, hd) each,
-    allocated once and written in place. The list-of-(k, v) form that torch.cat grows
-    copies the whole past every step (O(t) per step, O(T^2) bytes moved per generation);
-    here a step writes only its own column. Indexing gives the list form's per-layer view."""
+    """A preallocated cache: one buffer (n_layer, 2, B, nh, max_len, hd) for every layer's
+    k and v, allocated once and written in place. The list-of-(k, v) form that torch.cat
+    grows copies the whole past every step (O(t) per step, O(T^2) bytes moved per
+    generation); here a step writes only its own position. k and v of a layer sit side by
+    side because c_attn produces them side by side: one copy stores both."""
 
     def __init__(self, config, batch_size, device=None, dtype=torch.float32, max_len=None):
         max_len = max_len or config.block_size
-        shape = (config.n_layer, batch_size, config.n_head, max_len, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (config.n_layer, 2, batch_size, config.n_head, max_len, config.head_dim)
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0  # positions filled so far, the same in every layer
 
     def __len__(self):
-        return self.k.size(0)
+        return self.kv.size(0)
 
     def __getitem__(self, layer):
-        return self.k[layer, :, :, :self.length], self.v[layer, :, :, :self.length]
-
-    @property
-    def max_len(self):
-        return self.k.size(3)
+        """(k, v) of one layer, (B, nh, length, hd) each: the list form's entry, as views."""
+        k, v = self.kv[layer, :, :, :, :self.length]
+        return k, v
 
     def nbytes(self):
-        return self.k.nbytes + self.v.nbytes
+        return self.kv.nbytes
 
     def repeat_rows(self, n):
         """A cache whose rows are each of these rows n times (one prefill, n samples)."""
         out = KVCache.__new__(KVCache)
-        out.k = self.k.repeat_interleave(n, dim=1)
-        out.v = self.v.repeat_interleave(n, dim=1)
-        out.length = self.length
+        out.kv, out.length = self.kv.repeat_interleave(n, dim=2), self.length
         return out
 
 
@@ -98,14 +94,15 @@ class KVCacheGPT(GPT):
 
     def attend(self, attn, x, layer, past_kv, past_len):
         """Self-attention of x (B, T, C) over the cached past plus itself."""
-        q, k, v = attn.qkv(x)  # (B, nh, T, hd) each
+        qkv = attn.qkv(x)  # (3, B, nh, T, hd)
+        q, k, v = qkv
         T = q.size(2)
         S = past_len + T  # keys after this step
         if isinstance(past_kv, KVCache):
-            past_kv.k[layer, :, :, past_len:S] = k  # write in place; the past is not copied
-            past_kv.v[layer, :, :, past_len:S] = v
+            layer_kv = past_kv.kv[layer]  # (2, B, nh, max_len, hd)
+            layer_kv[:, :, :, past_len:S] = qkv[1:]  # write in place; the past is not copied
             if past_len:
-                k, v = past_kv.k[layer, :, :, :S], past_kv.v[layer, :, :, :S]
+                k, v = layer_kv[:, :, :, :S]
         elif past_kv is not None:
             pk, pv = past_kv[layer]  # (B, nh, past_len, hd)
             k = torch.cat([pk, k], dim=2)  # THE cache step: reuse, don't recompute
@@ -122,9 +119,11 @@ class KVCacheGPT(GPT):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.causal_mask[S - T:S, :S])
         return attn.project_out(y), (k, v)
 
-    def forward(self, idx, past_kv=None):
+    def forward(self, idx, past_kv=None, last_only=False):
         """idx (B, T) are the new tokens; past_kv is None, a list of (k, v) per layer, or a
-        KVCache. Returns logits (B, T, V) and the cache extended by these T positions."""
+        KVCache. Returns logits (B, T, V) and the cache extended by these T positions.
+        last_only=True computes logits for the last position only (B, 1, V): all that
+        generation needs, and it spares a (T x vocab) matmul when prefilling a prompt."""
         past_len = cache_length(past_kv)
         x = self.embed(idx, start_pos=past_len)  # positions past_len .. past_len+T-1
         present = []
@@ -136,7 +135,7 @@ class KVCacheGPT(GPT):
         if isinstance(past_kv, KVCache):
             past_kv.length += idx.size(1)
             present = past_kv
-        return self.head(x), present
+        return self.head(x[:, -1:] if last_only else x), present
 
     def new_cache(self, batch_size, preallocate=True):
         """An empty cache: a KVCache on the model's device and dtype, or None for the
@@ -146,7 +145,7 @@ class KVCacheGPT(GPT):
         p = self.lm_head.weight
         return KVCache(self.config, batch_size, device=p.device, dtype=p.dtype)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                generator=None, stats=None, num_samples=1, vocab_limit=None, preallocate=True):
         """Yield the next token of every row, (B * num_samples, 1), one step at a time.
@@ -167,7 +166,7 @@ class KVCacheGPT(GPT):
         def run(tokens, cache):
             stats["forward_passes"] += 1
             stats["positions_processed"] += tokens.size(1)
-            return self(tokens, cache)
+            return self(tokens, cache, last_only=True)
 
         # the tokens now in the cache, kept in a buffer written in place, for re-prefills
         rows = idx.size(0) * num_samples
