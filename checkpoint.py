@@ -170,11 +170,16 @@ def load_model(cls, path=None, device="cpu", dtype=torch.float32, report=print):
     model = cls(config)
     load_weights(model, state_dict, path)
     tokenizer = tokenizer_from_spec(tokenizer_spec, path)
+    check_tokenizer_fits(tokenizer, config, path)
+    report(f"loaded {path} ({describe(model)}, tokenizer {tokenizer.name}, {tokenizer.n_vocab} tokens)")
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+def check_tokenizer_fits(tokenizer, config, path):
+    """Every token id must have a row in the embedding table (more rows are fine: padding)."""
     if tokenizer.n_vocab > config.vocab_size:
         raise CheckpointError(
             f"{path}: tokenizer has {tokenizer.n_vocab} tokens but the model only {config.vocab_size}")
-    report(f"loaded {path} ({describe(model)}, tokenizer {tokenizer.name}, {tokenizer.n_vocab} tokens)")
-    return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
 def describe(model):

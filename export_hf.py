@@ -1,0 +1,148 @@
+"""
+Our checkpoint -> a Hugging Face GPT-2 directory that transformers loads unchanged:
+
+    python export_hf.py [CKPT] OUT_DIR      (CKPT: default chain, as in every script)
+
+    from transformers import GPT2LMHeadModel, GPT2TokenizerFast
+    model = GPT2LMHeadModel.from_pretrained(OUT_DIR)
+    tokenizer = GPT2TokenizerFast.from_pretrained(OUT_DIR)   # when it was exported
+
+Writes config.json, the weights in HF's Conv1D layout (model.safetensors, or
+pytorch_model.bin without the safetensors package) and, for a GPT-2-style byte-level BPE
+tokenizer (the bundled one is), vocab.json + merges.txt + tokenizer_config.json.
+transformers is not needed here; hf_gpt2.py holds the layout knowledge both ways.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+from base_model import GPT
+from checkpoint import load_model
+from cli import ArgumentParser, UserError, run
+from hf_gpt2 import GPT2_PATTERNS, byte_to_char, swap_conv1d
+
+
+def hf_config(config, eot):
+    """config.json: GPT2Config's names for our GPTConfig fields."""
+    return {
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": config.vocab_size, "n_positions": config.block_size, "n_ctx": config.block_size,
+        "n_embd": config.n_embd, "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": None,
+        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
+        "scale_attn_weights": True, "tie_word_embeddings": True, "use_cache": True,
+        "bos_token_id": eot, "eos_token_id": eot,
+    }
+
+
+def hf_state_dict(model):
+    """Our state dict in GPT2LMHeadModel's layout. lm_head is left out (HF ties it to wte,
+    and safetensors refuses one tensor saved twice); GPT-2 always has biases, so a model
+    trained without them gets zeros, which computes exactly the same thing."""
+    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    if not model.config.bias:
+        for name, module in model.named_modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm)) and name != "lm_head":
+                sd[f"{name}.bias"] = torch.zeros(module.weight.size(0))
+    return swap_conv1d(sd)
+
+
+def write_weights(state_dict, out_dir, use_safetensors=None):
+    """model.safetensors when the package is there, else pytorch_model.bin: the file's name."""
+    if use_safetensors is None:
+        try:
+            import safetensors  # noqa: F401  (optional dependency)
+            use_safetensors = True
+        except ImportError:
+            use_safetensors = False
+    if use_safetensors:
+        from safetensors.torch import save_file
+        save_file(state_dict, out_dir / "model.safetensors", metadata={"format": "pt"})  # HF checks 'format'
+        return "model.safetensors"
+    torch.save(state_dict, out_dir / "pytorch_model.bin")
+    return "pytorch_model.bin"
+
+
+def split_token(token, ranks):
+    """The pair whose merge made `token`: replay BPE on its bytes with only the merges ranked
+    below it (tiktoken's rule, lowest joined rank first) until two parts remain. None when
+    the ranks are not a BPE merge order."""
+    limit = ranks[token]
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 2:
+        rank, i = min((ranks.get(a + b, limit), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
+        if rank >= limit:
+            return None
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return parts if len(parts) == 2 and all(ranks[p] < limit for p in parts) else None
+
+
+def gpt2_tokenizer_files(tokenizer):
+    """(vocab.json dict, merges.txt lines) for a tiktoken BPE, or (None, reason) when HF's
+    GPT-2 tokenizer could not reproduce it. tiktoken keeps token bytes -> rank only; the
+    merge list HF needs is recovered token by token with split_token."""
+    # _pat_str, _mergeable_ranks, _special_tokens: how tiktoken's README ("Extending
+    # tiktoken") reads an Encoding's parts
+    if tokenizer._pat_str not in GPT2_PATTERNS:
+        return None, "its pre-tokenisation regex is not GPT-2's, which HF's GPT-2 tokenizer hard-codes"
+    ranks, specials = tokenizer._mergeable_ranks, tokenizer._special_tokens
+    if any(bytes([b]) not in ranks for b in range(256)):
+        return None, "it cannot encode every byte"
+    char = byte_to_char()
+    text = {tok: "".join(char[b] for b in tok) for tok in ranks}
+    merges = []
+    for tok in sorted((t for t in ranks if len(t) > 1), key=ranks.get):
+        pair = split_token(tok, ranks)
+        if pair is None:
+            return None, f"token {tok!r} is not a merge of two earlier tokens"
+        merges.append(f"{text[pair[0]]} {text[pair[1]]}")
+    vocab = {text[tok]: rank for tok, rank in ranks.items()}
+    return {**vocab, **specials}, merges
+
+
+def write_tokenizer(tokenizer, out_dir, block_size):
+    """vocab.json + merges.txt + tokenizer_config.json; returns one line saying what happened."""
+    vocab, merges = gpt2_tokenizer_files(tokenizer)
+    if vocab is None:
+        return (f"tokenizer NOT exported ({merges}); encode with tiktoken, as checkpoint.load_model "
+                "returns it, and feed the ids to the HF model")
+    (out_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    merges_text = "#version: 0.2\n" + "".join(m + "\n" for m in merges)
+    (out_dir / "merges.txt").write_text(merges_text, encoding="utf-8")
+    eot = "<|endoftext|>" if "<|endoftext|>" in tokenizer._special_tokens else None
+    config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size,
+              "add_prefix_space": False, "bos_token": eot, "eos_token": eot, "unk_token": eot}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return (f"tokenizer {tokenizer.name} ({tokenizer.n_vocab} tokens, {len(merges)} merges) "
+            "as vocab.json + merges.txt")
+
+
+def export(ckpt, out_dir, report=print, use_safetensors=None):
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        # never mix with an older export: HF would pick whichever weights file it prefers
+        raise UserError(f"{out_dir}: exists and is not an empty directory; choose a new OUT_DIR")
+    model, tokenizer = load_model(GPT, ckpt, report=report)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    eot = tokenizer._special_tokens.get("<|endoftext|>")
+    (out_dir / "config.json").write_text(json.dumps(hf_config(model.config, eot), indent=2))
+    weights = write_weights(hf_state_dict(model), out_dir, use_safetensors)
+    report(f"wrote {out_dir}: config.json, {weights}; "
+           + write_tokenizer(tokenizer, out_dir, model.config.block_size))
+
+
+def main():
+    parser = ArgumentParser(description="Export a checkpoint as a Hugging Face GPT-2 directory "
+                            "that transformers.GPT2LMHeadModel.from_pretrained loads.")
+    # argparse fills a leading optional positional only when both are given
+    parser.add_argument("ckpt", nargs="?", metavar="CKPT", help="checkpoint file (default: "
+                        "checkpoints/ckpt_sft.pt, then ckpt_base.pt, then the bundled model)")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="output directory: new or empty")
+    args = parser.parse_args()
+    export(args.ckpt, args.out_dir)
+
+
+if __name__ == "__main__":
+    run(main)
