@@ -157,7 +157,7 @@ def bandwidth_floor(model, reps):
     matvec = timed(lambda w: F.linear(vectors[w.size(1)], w))
     read = timed(lambda w: w.sum())
     # the same product with nn.Linear's default row-major weights, for comparison: our
-    # model keeps them column-major (kv_cache.store_linears_column_major)
+    # model keeps them column-major (base_model.store_linears_column_major)
     weights = [w.contiguous() for w in weights]
     matvec_row_major = timed(lambda w: F.linear(vectors[w.size(1)], w))
     return {"weight_bytes": nbytes, "matvec_ms": 1e3 * matvec, "matvec_GBps": nbytes / matvec / 1e9,

@@ -41,7 +41,9 @@ def hf_state_dict(model):
     """Our state dict in GPT2LMHeadModel's layout. lm_head is left out (HF ties it to wte,
     and safetensors refuses one tensor saved twice); GPT-2 always has biases, so a model
     trained without them gets zeros, which computes exactly the same thing."""
-    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    # contiguous: our Linear weights are stored column-major, safetensors wants plain tensors
+    sd = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()
+          if k != "lm_head.weight"}
     if not model.config.bias:
         for name, module in model.named_modules():
             if isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm)) and name != "lm_head":

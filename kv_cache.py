@@ -32,7 +32,9 @@ class KVCache:
     def __init__(self, config, batch_size, device=None, dtype=torch.float32, max_len=None):
         max_len = max_len or config.block_size
         shape = (config.n_layer, 2, batch_size, config.n_head, max_len, config.head_dim)
-        self.kv = torch.zeros(shape, device=device, dtype=dtype)
+        # empty, not zeros: a position is always written before it is read, and zeroing
+        # GPT-2's 75 MB cache would cost every generation a pass over it
+        self.kv = torch.empty(shape, device=device, dtype=dtype)
         self.length = 0  # positions filled so far, the same in every layer
 
     def __len__(self):
@@ -83,19 +85,6 @@ def synchronize(device):
         torch.mps.synchronize()
 
 
-@torch.no_grad()
-def store_linears_column_major(model):
-    """Keep every Linear weight (out, in) in column-major memory: same shape, values and
-    state dict, but the transpose that F.linear multiplies by is then row-major. A
-    batch-1 decode step is a matrix-vector product per weight, and CPU BLAS streams
-    that layout nearly twice as fast for large matrices (GPT-2's 50257 x 768 lm_head:
-    6.8 ms vs 12.5 ms here; a whole decode step ~1.2x faster, see benchmark.py).
-    load_state_dict and .to() keep the layout: they copy into these tensors."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.weight.data = module.weight.data.t().contiguous().t()
-
-
 class KVCacheGPT(GPT):
 
     def __init__(self, config):
@@ -104,7 +93,6 @@ class KVCacheGPT(GPT):
         # out of the state dict, so checkpoints stay identical to base_model.GPT's.
         mask = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()
         self.register_buffer("causal_mask", mask, persistent=False)
-        store_linears_column_major(self)
 
     def attend(self, attn, x, layer, past_kv, past_len):
         """Self-attention of x (B, T, C) over the cached past plus itself."""
@@ -258,7 +246,6 @@ def main():
     # Weight compatibility: the naive model takes the cached model's state dict as it is.
     naive = GPT(config).to(device=device, dtype=model.lm_head.weight.dtype).eval()
     naive.load_state_dict(model.state_dict(), strict=True)
-    store_linears_column_major(naive)  # the same memory layout: only the cache differs
 
     print("\n1. Correctness: incremental feeds vs one full forward (max |full - incremental| logit)")
     T = min(64, config.block_size)
