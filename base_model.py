@@ -17,17 +17,21 @@ import torch.nn.functional as F
 from sample import sample
 
 
-@torch.no_grad()
-def store_linears_column_major(model):
-    """Keep every Linear weight (out, in) in column-major memory: same shape, values and
-    state dict, but the transpose that F.linear multiplies by is then row-major. A
-    batch-1 decode step is a matrix-vector product per weight, and CPU BLAS streams
-    that layout nearly twice as fast for large matrices (GPT-2's 50257 x 768 lm_head:
-    6.8 ms vs 12.5 ms here; benchmark.py measures the floor in both layouts).
-    load_state_dict and .to() keep the layout: they copy into these tensors."""
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            module.weight.data = module.weight.data.t().contiguous().t()
+@dataclass
+class GenerationStats:
+    """What a generation loop did, for --stats and the benchmarks. The naive loop fills the
+    first two; kv_cache.py's loop all of them."""
+    forward_passes: int = 0
+    positions_processed: int = 0   # new tokens fed through the model, summed over passes
+    prefill_passes: int = 0        # passes over a prompt (one per generation, however many rows)
+    reprefills: int = 0            # rows rebuilt past block_size (kv_cache.py explains)
+    prefill_seconds: float = 0.0
+    cache_bytes: int = 0           # the most the cache tensors held at once
+    cache_positions: int = 0       # columns in the cache at the end
+
+    def count_pass(self, positions):
+        self.forward_passes += 1
+        self.positions_processed += positions
 
 
 @dataclass
@@ -98,20 +102,23 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
 
-    def __init__(self, config):
+    def __init__(self, config, attention=CausalSelfAttention):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
+        self.attn = attention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, **attn_args):
+        # attn_args is empty here; kv_cache.py passes its cache and mask through to attention
+        x = x + self.attn(self.ln_1(x), **attn_args)
         x = x + self.mlp(self.ln_2(x))
         return x
 
 
 class GPT(nn.Module):
+    # kv_cache.KVCacheGPT swaps in an attention that reads a cache; its parameters are these
+    Attention = CausalSelfAttention
 
     def __init__(self, config):
         super().__init__()
@@ -120,7 +127,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, self.Attention) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -131,9 +138,6 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        # both generation loops are matrix-vector products at batch 1: same layout for both,
-        # so that comparing them measures the cache and nothing else
-        store_linears_column_major(self)
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -145,13 +149,16 @@ class GPT(nn.Module):
         # the tied lm_head shares wte's tensor, so parameters() counts it once
         return sum(p.numel() for p in self.parameters())
 
+    def check_context(self, positions):
+        if positions > self.config.block_size:
+            raise ValueError(
+                f"sequence of {positions} positions exceeds block_size {self.config.block_size}: "
+                "learned position embeddings end there; crop the context")
+
     def embed(self, idx, start_pos=0):
         """Token plus position embeddings for idx (B, T) placed at start_pos, start_pos+1, ..."""
         T = idx.size(1)
-        if start_pos + T > self.config.block_size:
-            raise ValueError(
-                f"sequence of {start_pos + T} positions exceeds block_size {self.config.block_size}: "
-                "learned position embeddings end there; crop the context")
+        self.check_context(start_pos + T)
         # rows start_pos.. of the position table: the same as wpe(arange(...)), without
         # building an index tensor every step
         pos_emb = self.transformer.wpe.weight[start_pos:start_pos + T]  # (T, C)
@@ -180,18 +187,16 @@ class GPT(nn.Module):
         """Yield the next token of every row, (B, 1), one step at a time.
 
         The naive loop: each step feeds the whole context (cropped to block_size) through
-        every block, recomputing keys and values it computed last step. If given, the dict
-        `stats` counts forward passes and the positions they processed: O(T^2) here.
-        num_samples > 1 repeats each prompt row that many times. vocab_limit, the tokenizer's
-        size, keeps padding rows of a larger embedding table from ever being sampled."""
+        every block, recomputing keys and values it computed last step. `stats`, a
+        GenerationStats, counts forward passes and the positions they processed: O(T^2)
+        here. num_samples > 1 repeats each prompt row that many times. vocab_limit, the
+        tokenizer's size, keeps padding rows of a larger embedding table from being sampled."""
         idx = idx.repeat_interleave(num_samples, dim=0)
-        stats = {} if stats is None else stats
-        stats.update(forward_passes=0, positions_processed=0)
+        stats = GenerationStats() if stats is None else stats
         for _ in range(max_new_tokens):
             idx_cond = idx[:, -self.config.block_size:]
             logits, _ = self(idx_cond, last_only=True)
-            stats["forward_passes"] += 1
-            stats["positions_processed"] += idx_cond.size(1)
+            stats.count_pass(idx_cond.size(1))
             next_token = sample(logits[:, -1, :vocab_limit], temperature, top_k, top_p, generator)
             idx = torch.cat((idx, next_token), dim=1)
             yield next_token
@@ -205,3 +210,23 @@ class GPT(nn.Module):
         new_tokens = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator,
                                       vocab_limit=vocab_limit))
         return torch.cat([idx, *new_tokens], dim=1)
+
+
+# ---------------------------------------------------------------------------- before decoding
+
+@torch.no_grad()
+def store_linears_column_major(model):
+    """A decode-speed step, applied to a model before it generates (cli.load_from_args does
+    it for every script, and benchmark.py to its models, the naive one included, so that a
+    comparison of the two loops measures the cache and nothing else).
+
+    Every Linear weight (out, in) is kept in column-major memory: same shape, values and
+    state dict, but the transpose that F.linear multiplies by is then row-major. A batch-1
+    decode step is a matrix-vector product per weight, and CPU BLAS streams that layout
+    nearly twice as fast for large matrices (GPT-2's 50257 x 768 lm_head: 6.8 ms vs 12.5 ms
+    here; benchmark.py measures the floor in both layouts). load_state_dict and .to() keep
+    the layout: they copy into these tensors. Returns the model."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.weight.data = module.weight.data.t().contiguous().t()
+    return model

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from base_model import GPT, GPTConfig
+from base_model import GPT, GPTConfig, store_linears_column_major
 from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
 from kv_cache import KVCacheGPT, cache_bytes_formula, synchronize
 
@@ -30,7 +30,7 @@ SHAPES = {  # random-weight models at a named shape
     "tiny": GPTConfig(block_size=256, vocab_size=4096, n_layer=6, n_head=4, n_embd=128),
     "gpt2": GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768),
 }
-KINDS = {  # how a generation runs: (naive?, preallocated cache?)
+KINDS = {  # how a generation runs: naive, or KVCacheGPT.stream with a cache kind
     "naive": "GPT.stream: the whole context every step",
     "cat": "KVCacheGPT.stream, torch.cat cache (the seed's)",
     "prealloc": "KVCacheGPT.stream, preallocated KVCache",
@@ -39,19 +39,21 @@ KINDS = {  # how a generation runs: (naive?, preallocated cache?)
 
 def random_model(shape, device, seed=0):
     torch.manual_seed(seed)
-    return KVCacheGPT(SHAPES[shape]).to(device).eval()
+    return store_linears_column_major(KVCacheGPT(SHAPES[shape]).to(device).eval())
 
 
 def step_times(model, kind, prompt, n):
-    """Seconds from the start to each of n greedy tokens (a list of n cumulative times)."""
+    """Seconds from the start to each of n greedy tokens (a list of n cumulative times).
+    prompt: a (B, T) tensor, or (not for the naive loop) a list of token-id lists."""
+    device = model.lm_head.weight.device
     if kind == "naive":
         tokens = GPT.stream(model, prompt, n, temperature=0)
     else:
-        tokens = model.stream(prompt, n, temperature=0, preallocate=(kind == "prealloc"))
-    synchronize(prompt.device)
+        tokens = model.stream(prompt, n, temperature=0, cache_kind=kind)
+    synchronize(device)
     t0, times = time.perf_counter(), []
     for _ in tokens:
-        synchronize(prompt.device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -185,6 +187,33 @@ def decode_vs_floor(args, device, reps):
     return result
 
 
+def batch_throughput(model, name, sizes, new_tokens, reps):
+    """Aggregate decode speed when `b` different prompts (lengths 8..64, seeded) decode as
+    one batch. A batch-1 step reads every weight to make one token; a batch-b step reads
+    them once to make b, so until the matmuls become compute-bound the aggregate speed
+    grows almost b-fold. Decode time excludes the first token (it includes the prefill)."""
+    g = torch.Generator().manual_seed(0)
+    vocab, c = model.config.vocab_size, model.config
+    rows = {}
+    for b in sizes:
+        lengths = torch.randint(8, 65, (b,), generator=g).tolist()
+        prompts = [torch.randint(vocab, (n,), generator=g).tolist() for n in lengths]
+        n = min(new_tokens, c.block_size - max(lengths))  # no re-prefill inside the measurement
+
+        def step_seconds():
+            times = step_times(model, "prealloc", prompts, n)
+            return (times[-1] - times[0]) / (n - 1)
+        steps = repeat(step_seconds, reps)
+        bytes_per_value = model.lm_head.weight.element_size()
+        rows[b] = {"new_tokens": n, "step_ms": spread([1e3 * t for t in steps]),
+                   "tok_s": spread([b / t for t in steps]),
+                   "cache_bytes_formula": cache_bytes_formula(c, max(lengths) + n, b, bytes_per_value),
+                   "cache_bytes_allocated": model.new_cache(b).nbytes()}
+    for row in rows.values():
+        row["vs_batch_1"] = row["tok_s"]["median"] / rows[min(rows)]["tok_s"]["median"]
+    return {"model": name, "sizes": rows}
+
+
 def peer(shape, device, n, reps):
     """Hugging Face transformers' GPT2LMHeadModel.generate() on identical weights."""
     try:
@@ -276,6 +305,14 @@ def print_report(r):
         print(f"with torch.compile: {f['compiled_decode_ms_per_token']:.1f} ms/token")
     print(f"KV cache for the full context: formula {f['cache_bytes_formula']:,} B, "
           f"allocated {f['cache_bytes_real']:,} B | peak RSS {r['peak_rss_mb']:.0f} MB")
+    print("\n## Batches of different prompts (lengths 8-64): aggregate decode speed")
+    print("| model | prompts | tok/s, all rows | vs batch 1 | ms per step | KV cache by the formula | allocated |")
+    print("|---|---|---|---|---|---|---|")
+    for t in r["batch"]:
+        for b, row in t["sizes"].items():
+            print(f"| {t['model']} | {b} | {fmt_spread(row['tok_s'])} | {row['vs_batch_1']:.1f}x | "
+                  f"{fmt_spread(row['step_ms'])} | {row['cache_bytes_formula'] / 2**20:.1f} MiB | "
+                  f"{row['cache_bytes_allocated'] / 2**20:.1f} MiB |")
     print("\n## Peer: transformers GPT2LMHeadModel.generate(), identical weights")
     if not r["peer"]:
         print(r.get("peer_note", "skipped"))
@@ -295,7 +332,7 @@ def plot(r, path):
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install matplotlib") from None
     c = r["cost_curves"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4))
     for kind, label in KINDS.items():
         cv = c["curves"][kind]
         ax1.plot(c["lengths"], [cv["total_s"][n]["median"] for n in c["lengths"]], "o-", label=label)
@@ -303,6 +340,14 @@ def plot(r, path):
     ax1.set(xlabel="new tokens", ylabel="total seconds", title="Total time (naive: quadratic)")
     ax2.set(xlabel="new tokens", ylabel="ms per token", title="Per-token latency", yscale="log")
     ax1.legend(fontsize=8)
+    for t in r["batch"]:
+        sizes = list(t["sizes"])
+        ax3.plot(sizes, [t["sizes"][b]["tok_s"]["median"] for b in sizes], "o-", label=t["model"])
+    ax3.set(xlabel="different prompts decoded together", ylabel="tokens/s, all rows",
+            title="Batching: aggregate decode speed", xscale="log", yscale="log")
+    ax3.set_xticks([b for t in r["batch"][:1] for b in t["sizes"]], minor=False)
+    ax3.set_xticklabels([str(b) for t in r["batch"][:1] for b in t["sizes"]])
+    ax3.legend(fontsize=8)
     fig.suptitle(f"{c['shape']} shape, {r['machine']}, {r['date']}")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -326,6 +371,10 @@ def main():
     p.add_argument("--reps", type=positive_int, help="timed runs after a warm-up (default: 3, quick 1)")
     p.add_argument("--naive-check", type=int, default=None,
                    help="also measure one real naive run of this length (default: 128, quick 32; 0: none)")
+    p.add_argument("--batch-sizes", type=int_list, help="numbers of different prompts decoded "
+                   "together (default: 1,2,4,8,16,32; with --quick 1,4,16)")
+    p.add_argument("--batch-tokens", type=positive_int, default=64,
+                   help="new tokens per row in the batch table (default: 64)")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers comparison")
     p.add_argument("--compile", action="store_true",
                    help="also time decoding with torch.compile (compiles for minutes on a CPU)")
@@ -346,6 +395,10 @@ def main():
     r["seed_demo"] = seed_demo(args, model, device, reps)
     r["cost_curves"] = cost_curves(args, device, reps)
     r["floor"] = decode_vs_floor(args, device, reps)
+    sizes = args.batch_sizes or ([1, 4, 16] if args.quick else [1, 2, 4, 8, 16, 32])
+    r["batch"] = [batch_throughput(model, "checkpoint", sizes, args.batch_tokens, reps),
+                  batch_throughput(random_model(args.shape, device), f"{args.shape} shape",
+                                   sizes, args.batch_tokens, reps)]
     r["peer"] = None
     if args.no_peer:
         r["peer_note"] = "skipped (--no-peer)"

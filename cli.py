@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from base_model import store_linears_column_major
 from checkpoint import CheckpointError, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,7 +77,8 @@ def load_from_args(cls, args):
         from hf_gpt2 import load_hf_model as load  # only --hf users need this bridge
     model, tokenizer = load(cls, args.hf or args.ckpt, device=device, dtype=dtype,
                             report=lambda line: print(line, file=sys.stderr))
-    return model, tokenizer, device
+    # every script generates from the model it loads: give it the decode-speed weight layout
+    return store_linears_column_major(model), tokenizer, device
 
 
 def run(main):

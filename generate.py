@@ -5,10 +5,14 @@ through the KV cache, sample, stream the text, stop.
     python generate.py --prompt "ROMEO:"
     python generate.py --prompt "ROMEO:" --temperature 0 --stats
     python generate.py --prompt-file play.txt --num-samples 3 --stop "\\n\\n"
+    python generate.py --prompt "ROMEO:" --prompt "JULIET:" --prompt "HAMLET:"   # one batch
+    python generate.py --prompts-file prompts.jsonl --json
     python generate.py --score checkpoints/shakespeare/heldout.txt
 
 The token loop itself is KVCacheGPT.stream (kv_cache.py), or GPT.stream with --no-cache;
-this file turns its tokens into text and decides when to stop.
+this file turns its tokens into text and decides when each row stops. Several prompts are
+generated as one batch (left-padded: kv_cache.py explains why the positions restart in
+every row); the output keeps their order, one block per prompt.
 """
 
 import codecs
@@ -19,7 +23,7 @@ import time
 
 import torch
 
-from base_model import GPT
+from base_model import GPT, GenerationStats
 from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
 from kv_cache import KVCacheGPT, cache_bytes_formula, synchronize
 from sample import check_sampling_args
@@ -29,9 +33,12 @@ def parse_args():
     p = ArgumentParser(description="Generate text with a KV-cached GPT, or score a text file.")
     add_model_args(p)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", default="", help="prompt text, or - to read standard input "
-                     "(default: empty, which starts from the end-of-text token)")
+    src.add_argument("--prompt", action="append", metavar="TEXT",
+                     help="prompt text, or - to read standard input; repeat it for a batch of "
+                     "prompts (default: empty, which starts from the end-of-text token)")
     src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 file")
+    src.add_argument("--prompts-file", metavar="PATH", help="a batch of prompts, JSON Lines: "
+                     'per line a JSON string or an object with a "prompt" string')
     src.add_argument("--score", metavar="FILE", help="instead of generating, print the model's "
                      "loss on a UTF-8 text file (nats per token, bits per character)")
     p.add_argument("--max-new-tokens", type=positive_int, default=200, help="default: 200")
@@ -40,9 +47,9 @@ def parse_args():
     p.add_argument("--top-p", type=float, default=None,
                    help="sample from the smallest set of tokens whose probability reaches p")
     p.add_argument("--num-samples", type=positive_int, default=1,
-                   help="samples of the same prompt, prefilled once and decoded as one batch")
+                   help="samples of each prompt, prefilled once and decoded as one batch")
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
-                   help="end a sample at STRING, which is not printed (repeatable)")
+                   help="end a row at STRING, which is not printed (repeatable)")
     p.add_argument("--ignore-eot", action="store_true",
                    help="do not stop at the end-of-text token (fixed-length runs)")
     p.add_argument("--no-cache", action="store_true",
@@ -59,6 +66,8 @@ def parse_args():
                 .replace("temperature", "--temperature", 1))
     if any(s == "" for s in args.stop):
         p.error("--stop: the stop string must not be empty")
+    if (args.prompt or []).count("-") > 1:
+        p.error("--prompt -: standard input can be read only once")
     return args
 
 
@@ -116,21 +125,22 @@ class SampleText:
 
 
 class Printer:
-    """Writes samples to stdout one after another, each as prompt + continuation. The first
-    streams live while the batch decodes; a later one catches up when the one before it is
-    done. Called every step to stream, or once at the end."""
+    """Writes every row to stdout, in order, as its prompt + continuation. The first streams
+    live while the batch decodes; a later one catches up when the one before it is done.
+    Called every step to stream, or once at the end. headers: a line before each row, or
+    None when there is a single row."""
 
-    def __init__(self, samples, prompt):
-        self.samples, self.prompt = samples, prompt
+    def __init__(self, samples, prompts, headers):
+        self.samples, self.prompts, self.headers = samples, prompts, headers
         self.current, self.shown = 0, None  # shown: characters printed; None: not begun
 
     def update(self):
         while self.current < len(self.samples):
             sample = self.samples[self.current]
             if self.shown is None:
-                if len(self.samples) > 1:
-                    sys.stdout.write(f"--- sample {self.current + 1} of {len(self.samples)} ---\n")
-                sys.stdout.write(self.prompt)
+                if self.headers:
+                    sys.stdout.write(self.headers[self.current] + "\n")
+                sys.stdout.write(self.prompts[self.current])
                 self.shown = 0
             end = sample.ready()
             sys.stdout.write(sample.text[self.shown:end])
@@ -142,11 +152,49 @@ class Printer:
         sys.stdout.flush()
 
 
-def read_prompt(args):
-    """The prompt text from --prompt, --prompt-file or standard input (--prompt -)."""
+def row_headers(n_prompts, n_samples):
+    """'--- prompt 2 of 3, sample 1 of 2 ---' for each row (prompt-major), naming only what
+    there is more than one of; None for a single row."""
+    if n_prompts == n_samples == 1:
+        return None
+    headers = []
+    for p in range(1, n_prompts + 1):
+        for s in range(1, n_samples + 1):
+            parts = ([f"prompt {p} of {n_prompts}"] if n_prompts > 1 else []) + \
+                    ([f"sample {s} of {n_samples}"] if n_samples > 1 else [])
+            headers.append(f"--- {', '.join(parts)} ---")
+    return headers
+
+
+def read_prompts(args):
+    """The prompt texts from --prompt (repeatable; - reads standard input), --prompt-file
+    or --prompts-file."""
     if args.prompt_file:
-        return read_text(args.prompt_file, "--prompt-file")
-    return read_text("-", "--prompt") if args.prompt == "-" else args.prompt
+        return [read_text(args.prompt_file, "--prompt-file")]
+    if args.prompts_file:
+        return parse_prompts_file(read_text(args.prompts_file, "--prompts-file"), args.prompts_file)
+    return [read_text("-", "--prompt") if p == "-" else p for p in args.prompt or [""]]
+
+
+def parse_prompts_file(text, path):
+    """JSON Lines: per line a JSON string, or an object with a "prompt" string (so other
+    fields may ride along). Blank lines are skipped; a JSON string may hold newlines."""
+    prompts = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as e:
+            raise UserError(f"--prompts-file {path}: line {number}: not JSON ({e.msg})") from None
+        prompt = item.get("prompt") if isinstance(item, dict) else item
+        if not isinstance(prompt, str):
+            raise UserError(f"--prompts-file {path}: line {number}: expected a JSON string or "
+                            'an object with a "prompt" string')
+        prompts.append(prompt)
+    if not prompts:
+        raise UserError(f"--prompts-file {path}: no prompts in it")
+    return prompts
 
 
 def encode_prompt(text, tokenizer, block_size):
@@ -158,68 +206,85 @@ def encode_prompt(text, tokenizer, block_size):
     return ids
 
 
-def generate(args, prompt, model, tokenizer, device):
-    ids = encode_prompt(prompt, tokenizer, model.config.block_size)
-    samples = [SampleText(tokenizer, args.stop, not args.ignore_eot) for _ in range(args.num_samples)]
-    printer = Printer(samples, prompt)
+def generate(args, prompts, model, tokenizer, device):
+    ids = [encode_prompt(p, tokenizer, model.config.block_size) for p in prompts]
+    if args.no_cache and len(ids) > 1:
+        raise UserError("--no-cache generates one prompt at a time (the naive loop has no "
+                        "padding); pass a single prompt, or drop --no-cache")
+    rows = [i for i in range(len(prompts)) for _ in range(args.num_samples)]  # prompt-major
+    samples = [SampleText(tokenizer, args.stop, not args.ignore_eot) for _ in rows]
+    printer = Printer(samples, [prompts[i] for i in rows], row_headers(len(prompts), args.num_samples))
     streaming = not (args.no_stream or args.json)
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    stats = {}
+    loop_args = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                     generator=torch.Generator(device=device).manual_seed(args.seed),
+                     stats=GenerationStats(), num_samples=args.num_samples,
+                     vocab_limit=tokenizer.n_vocab)
+    finished = set()  # rows that have stopped: the cached loop drops them from the batch
 
     t_start = time.perf_counter()
-    tokens = model.stream(torch.tensor([ids], device=device), args.max_new_tokens,
-                          args.temperature, args.top_k, args.top_p, generator,
-                          stats=stats, num_samples=args.num_samples, vocab_limit=tokenizer.n_vocab)
-    steps, t_first = 0, None
+    if args.no_cache:
+        tokens = model.stream(torch.tensor(ids, device=device), args.max_new_tokens, **loop_args)
+    else:
+        tokens = model.stream(ids, args.max_new_tokens, finished=finished, **loop_args)
+    steps, decoded, t_first = 0, 0, None
     for step_tokens in tokens:
-        for sample, token in zip(samples, step_tokens[:, 0].tolist()):  # .tolist() syncs
-            if not sample.done:
-                sample.add(token)
+        step_tokens = step_tokens[:, 0].tolist()  # .tolist() waits for the step to finish
+        for row, token in enumerate(step_tokens):
+            if token >= 0 and not samples[row].done:  # -1: the row has left the batch
+                samples[row].add(token)
+                if samples[row].done:
+                    finished.add(row)
         steps += 1
-        t_first = t_first or time.perf_counter()
+        if t_first is None:
+            t_first = time.perf_counter()
+        else:  # decode speed counts every token the model made after the first step
+            decoded += sum(token >= 0 for token in step_tokens)
         if streaming:
             printer.update()
-        if all(s.done for s in samples):
+        if len(finished) == len(samples):
             break
-    tokens.close()  # ends the loop early if every sample stopped, and fills the cache stats
+    tokens.close()  # ends the loop early if every row stopped, and fills the cache stats
     t_end = time.perf_counter()
     for sample in samples:
         sample.done = True  # max_new_tokens reached: show what is held back for stop strings
 
-    report = generation_stats(model, stats, len(ids), samples, steps, t_start, t_first, t_end)
+    report = generation_stats(model, args, loop_args["stats"], ids, samples,
+                              steps, decoded, t_end - t_start, t_first and t_first - t_start)
     if args.json:
-        print(json.dumps({"prompt": prompt, "texts": [s.text for s in samples], "stats": report}))
+        out = {"prompts": prompts, "texts": [s.text for s in samples], "stats": report}
+        if len(prompts) == 1:
+            out = {"prompt": prompts[0], **out}
+        print(json.dumps(out))
     else:
         printer.update()
     if args.stats:
         print_stats(report)
 
 
-def generation_stats(model, stats, prompt_tokens, samples, steps, t_start, t_first, t_end):
+def generation_stats(model, args, stats, ids, samples, steps, decoded, seconds, first_token_seconds):
     rows = len(samples)
-    decode_seconds = t_end - t_first if t_first else 0.0
+    decode_seconds = seconds - first_token_seconds if first_token_seconds is not None else 0.0
     report = {
-        "prompt_tokens": min(prompt_tokens, model.config.block_size),
+        "prompt_tokens": [min(len(i), model.config.block_size) for i in ids],
         "new_tokens": [s.tokens for s in samples],
         "decode_steps": steps,
-        "prefill_seconds": stats.get("prefill_seconds"),
-        "time_to_first_token_seconds": (t_first - t_start) if t_first else None,
-        # every step after the first emits one token per row
-        "decode_tokens_per_second": (steps - 1) * rows / decode_seconds if steps > 1 else None,
-        "forward_passes": stats["forward_passes"],
-        "prefill_passes": stats.get("prefill_passes", 0),
-        "positions_processed": stats["positions_processed"],
+        "prefill_seconds": None if args.no_cache else stats.prefill_seconds,
+        "time_to_first_token_seconds": first_token_seconds,
+        "decode_tokens_per_second": decoded / decode_seconds if decoded else None,
+        "forward_passes": stats.forward_passes,
+        "prefill_passes": stats.prefill_passes,
+        "positions_processed": stats.positions_processed,
     }
-    if "cache_bytes" in stats:  # the cached loop; the naive one keeps no cache
-        c = model.config
+    if not args.no_cache:  # the naive loop keeps no cache
+        c, positions = model.config, stats.cache_positions
         bytes_per_value = model.lm_head.weight.element_size()
         report.update(
-            cache_positions=stats["cache_positions"],
-            cache_bytes_formula=cache_bytes_formula(c, stats["cache_positions"], rows, bytes_per_value),
-            cache_bytes_allocated=stats["cache_bytes"],
-            cache_formula=(f"2 x {c.n_layer} layers x {c.n_head} heads x L={stats['cache_positions']} "
+            cache_positions=positions,
+            cache_bytes_formula=cache_bytes_formula(c, positions, rows, bytes_per_value),
+            cache_bytes_allocated=stats.cache_bytes,
+            cache_formula=(f"2 x {c.n_layer} layers x {c.n_head} heads x L={positions} "
                            f"x {c.head_dim} head_dim x {bytes_per_value} B x {rows} rows"),
-            reprefills=stats["reprefills"])
+            reprefills=stats.reprefills)
     return report
 
 
@@ -227,7 +292,7 @@ def print_stats(r):
     def fmt(x, unit):
         return "n/a" if x is None else f"{x:.1f} {unit}"
     lines = [
-        f"prompt tokens:       {r['prompt_tokens']}",
+        f"prompt tokens:       {', '.join(map(str, r['prompt_tokens']))}",
         f"new tokens:          {', '.join(map(str, r['new_tokens']))} in {r['decode_steps']} steps",
         f"prefill:             {fmt(r['prefill_seconds'] and r['prefill_seconds'] * 1e3, 'ms')}",
         f"time to first token: {fmt(r['time_to_first_token_seconds'] and r['time_to_first_token_seconds'] * 1e3, 'ms')}",
@@ -263,12 +328,15 @@ def score(model, tokenizer, text, device):
 def main():
     args = parse_args()
     # read the input first: a bad file should fail before the model is loaded
-    text = read_text(args.score, "--score") if args.score else read_prompt(args)
-    if args.score and not text:
-        raise UserError(f"--score {args.score}: the file is empty")
+    if args.score:
+        text = read_text(args.score, "--score")
+        if not text:
+            raise UserError(f"--score {args.score}: the file is empty")
+    else:
+        prompts = read_prompts(args)
     model, tokenizer, device = load_from_args(GPT if args.no_cache else KVCacheGPT, args)
     if not args.score:
-        return generate(args, text, model, tokenizer, device)
+        return generate(args, prompts, model, tokenizer, device)
     result = score(model, tokenizer, text, device)
     if args.json:
         print(json.dumps(result))

@@ -101,7 +101,7 @@ def test_sample_text_holds_back_partial_characters():
 
 def test_json_output_has_documented_keys():
     out = generate_json("--prompt", "ROMEO:", "--max-new-tokens", "10")
-    assert set(out) == {"prompt", "texts", "stats"}
+    assert set(out) == {"prompt", "prompts", "texts", "stats"}
     assert {"prompt_tokens", "new_tokens", "decode_steps", "prefill_seconds",
             "time_to_first_token_seconds", "decode_tokens_per_second", "forward_passes",
             "prefill_passes", "positions_processed", "cache_positions", "cache_bytes_formula",
@@ -120,7 +120,7 @@ def test_prompt_from_file_stdin_and_empty():
     assert from_stdin == generate("--prompt", "ROMEO:", "--temperature", "0",
                                   "--max-new-tokens", "10").stdout
     empty = generate_json("--max-new-tokens", "5", "--temperature", "0")
-    assert empty["stats"]["prompt_tokens"] == 1  # the end-of-text token
+    assert empty["stats"]["prompt_tokens"] == [1]  # the end-of-text token
 
 
 def test_long_prompt_is_cropped_with_one_note(tmp_path):
@@ -128,7 +128,7 @@ def test_long_prompt_is_cropped_with_one_note(tmp_path):
     path.write_text("To be, or not to be, that is the question. " * 200, encoding="utf-8")
     proc = generate("--prompt-file", str(path), "--max-new-tokens", "5", "--json")
     assert proc.stderr.count("note: the prompt has") == 1
-    assert json.loads(proc.stdout)["stats"]["prompt_tokens"] == BLOCK_SIZE
+    assert json.loads(proc.stdout)["stats"]["prompt_tokens"] == [BLOCK_SIZE]
 
 
 def test_score_reports_bits_per_char(tmp_path):
@@ -138,3 +138,52 @@ def test_score_reports_bits_per_char(tmp_path):
     out = json.loads(generate("--score", str(path), "--json").stdout)
     assert out["chars"] == len(path.read_text(encoding="utf-8"))
     assert 0 < out["bits_per_char"] < 3.5 and 0 < out["nats_per_token"] < 6
+
+
+# ---------------------------------------------------------------------------- several prompts
+
+GREEDY = ("--temperature", "0", "--max-new-tokens", "40", "--ignore-eot")
+
+
+def test_several_prompts_one_batch_each_as_alone():
+    prompts = ["ROMEO:", "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?", "KING"]
+    out = generate_json(*[a for p in prompts for a in ("--prompt", p)], *GREEDY)
+    assert out["prompts"] == prompts and "prompt" not in out
+    assert out["stats"]["prefill_passes"] == 1 and out["stats"]["new_tokens"] == [40] * 3
+    assert [len(generate_json("--prompt", p, *GREEDY)["texts"]) for p in prompts] == [1] * 3
+    for prompt, text in zip(prompts, out["texts"]):
+        assert generate_json("--prompt", prompt, *GREEDY)["texts"] == [text]
+    printed = generate(*[a for p in prompts for a in ("--prompt", p)], *GREEDY).stdout
+    assert printed == "".join(f"--- prompt {i + 1} of 3 ---\n{p}{t}\n"
+                              for i, (p, t) in enumerate(zip(prompts, out["texts"])))
+
+
+def test_prompts_file_json_lines_with_samples(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('"ROMEO:"\n\n{"prompt": "JULIET:\\nAy me!", "id": 7}\n', encoding="utf-8")
+    out = generate_json("--prompts-file", str(path), "--num-samples", "2", "--seed", "5",
+                        "--max-new-tokens", "20")
+    assert out["prompts"] == ["ROMEO:", "JULIET:\nAy me!"]  # a multi-line prompt
+    assert len(out["texts"]) == 4 and len(out["stats"]["new_tokens"]) == 4
+    assert out["stats"]["prompt_tokens"][1] > out["stats"]["prompt_tokens"][0]
+
+
+def test_rows_stop_on_their_own():
+    args = ("--prompt", "ROMEO:", "--prompt", "JULIET:", *GREEDY)
+    full = generate_json(*args)["texts"]
+    stop = full[0][10:14]  # in the first row's text (and perhaps not in the second's)
+    out = generate_json(*args, "--stop", stop)
+    assert out["texts"][0] == full[0][:full[0].index(stop)]
+    second = full[1][:full[1].index(stop)] if stop in full[1] else full[1]
+    assert out["texts"][1] == second  # unchanged by the first row's stopping
+
+
+@pytest.mark.parametrize("line, mention", [("not json", "line 2: not JSON"),
+                                           ("42", "line 2: expected a JSON string"),
+                                           ('{"text": "x"}', 'line 2: expected a JSON string')])
+def test_bad_prompts_file_line_names_the_line(tmp_path, line, mention):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('"fine"\n' + line + "\n", encoding="utf-8")
+    proc = run_cli("--prompts-file", str(path))
+    assert proc.returncode == 2 and mention in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

@@ -159,14 +159,34 @@ def test_greedy_generation_matches_hf(hf_pair):
     assert mine.tolist() == theirs.tolist()
 
 
-@pytest.mark.parametrize("preallocate", [False, True], ids=["cat", "prealloc"])
+@pytest.mark.parametrize("kind", ["cat", "prealloc"])
 @torch.no_grad()
-def test_hf_cache_agrees_with_ours(hf_pair, preallocate):
+def test_batch_of_different_prompts_matches_hf_left_padding(hf_pair, kind):
+    """HF's own way to batch different prompts: left padding plus attention_mask (from
+    which GPT-2 derives per-row position ids). Both must give every row the same greedy
+    tokens, and each row the tokens it gets alone."""
+    hf, ours, name = hf_pair
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(263, (n,), generator=g).tolist() for n in (1, 7, 30, 5)]
+    width = max(map(len, prompts))
+    padded = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    theirs = hf.generate(padded, attention_mask=attention_mask, do_sample=False,
+                         max_new_tokens=GEN_TOKENS, eos_token_id=None, pad_token_id=0)[:, width:]
+    mine = torch.cat(list(ours.stream(prompts, GEN_TOKENS, temperature=0, cache_kind=kind)), dim=1)
+    assert mine.tolist() == theirs.tolist()
+    alone = ours.generate(torch.tensor([prompts[2]]), GEN_TOKENS, temperature=0)[0, len(prompts[2]):]
+    assert mine[2].tolist() == alone.tolist()
+
+
+@pytest.mark.parametrize("kind", ["cat", "prealloc"])
+@torch.no_grad()
+def test_hf_cache_agrees_with_ours(hf_pair, kind):
     """Both caches fed the same chunks: each step's logits agree, so both index positions
     and masks the same way."""
     hf, ours, name = hf_pair
     idx = torch.randint(263, (2, 40), generator=torch.Generator().manual_seed(2))
-    cache, past, start, diff = ours.new_cache(2, preallocate), None, 0, 0.0
+    cache, past, start, diff = ours.new_cache(2, kind), None, 0, 0.0
     for size in [7, 1, 1, 5, 1, 12, 1, 3, 9]:
         chunk = idx[:, start:start + size]
         mine, cache = ours(chunk, cache)
@@ -174,7 +194,7 @@ def test_hf_cache_agrees_with_ours(hf_pair, preallocate):
         start += size
         diff = max(diff, (mine - theirs).abs().max().item())
     assert start == idx.size(1)
-    report(f"chunked, {'prealloc' if preallocate else 'cat'} cache", name, diff)
+    report(f"chunked, {kind} cache", name, diff)
     assert diff < ATOL
 
 

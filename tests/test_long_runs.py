@@ -48,13 +48,13 @@ def test_leak_yardstick_matches_the_docstring():
     assert cache_bytes_formula(CONFIG, 1) == 2048 and cache_bytes_formula(CONFIG, 32) == 65536
 
 
-@pytest.mark.parametrize("preallocate", [True, False], ids=["preallocated", "list"])
-def test_ten_blocks_in_one_call_stay_flat(model, preallocate):
+@pytest.mark.parametrize("kind", ["prealloc", "cat"])
+def test_ten_blocks_in_one_call_stay_flat(model, kind):
     n, prompt = 10 * CONFIG.block_size, torch.zeros(2, 8, dtype=torch.long)
 
     def run():
         g = torch.Generator().manual_seed(0)
-        return model.stream(prompt, n, generator=g, preallocate=preallocate)
+        return model.stream(prompt, n, generator=g, cache_kind=kind)
 
     list(run())  # warm-up: the same shapes, the same re-prefills
     start, peak, tokens = rss(), 0, []

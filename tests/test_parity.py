@@ -10,14 +10,16 @@ import torch
 
 from base_model import GPT, GPTConfig
 from conftest import tiny_model
-from kv_cache import KVCache, KVCacheGPT, cache_bytes_formula, cache_nbytes
+from base_model import GenerationStats
+from kv_cache import KVCache, cache_bytes_formula, cache_nbytes
 
 ATOL = 1e-4
 
 
-def feed(model, idx, chunks, preallocate):
-    """Feed idx through the cache in pieces of the given sizes; returns all logits, cache."""
-    cache = model.new_cache(idx.size(0), preallocate)
+def feed(model, idx, chunks, kind):
+    """Feed idx through the cache in pieces of the given sizes; returns all logits, cache.
+    kind "list" is the seed's form: None in, a list of per-layer (k, v) out."""
+    cache = None if kind == "list" else model.new_cache(idx.size(0), kind)
     pieces, start = [], 0
     for size in chunks:
         logits, cache = model(idx[:, start:start + size], cache)
@@ -27,15 +29,15 @@ def feed(model, idx, chunks, preallocate):
     return torch.cat(pieces, dim=1), cache
 
 
-@pytest.mark.parametrize("preallocate", [False, True], ids=["cat", "prealloc"])
+@pytest.mark.parametrize("kind", ["list", "cat", "prealloc"])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("chunks", [[1] * 20, [5, 5, 5, 5], [7, 1, 12], [20]],
                          ids=["token-by-token", "chunks-of-5", "uneven", "one-pass"])
-def test_incremental_matches_full_forward(config, preallocate, batch, chunks):
+def test_incremental_matches_full_forward(config, kind, batch, chunks):
     model = tiny_model(config)
     idx = torch.randint(config.vocab_size, (batch, 20))
     full, _ = model(idx)
-    incremental, cache = feed(model, idx, chunks, preallocate)
+    incremental, cache = feed(model, idx, chunks, kind)
     assert incremental.shape == full.shape
     assert (full - incremental).abs().max().item() < ATOL
 
@@ -46,14 +48,15 @@ def test_whole_context_through_cache(config):
     idx = torch.randint(config.vocab_size, (2, config.block_size))
     full, _ = model(idx)
     half = config.block_size // 2
-    incremental, _ = feed(model, idx, [half, 3] + [1] * (config.block_size - half - 3), True)
+    incremental, _ = feed(model, idx, [half, 3] + [1] * (config.block_size - half - 3), "prealloc")
     assert (full - incremental).abs().max().item() < ATOL
 
 
-@pytest.mark.parametrize("preallocate", [False, True], ids=["cat", "prealloc"])
-def test_present_kv_layout(config, preallocate):
+@pytest.mark.parametrize("kind", ["list", "cat", "prealloc"])
+def test_present_kv_layout(config, kind):
     model = tiny_model(config)
-    _, cache = feed(model, torch.randint(config.vocab_size, (2, 9)), [4, 5], preallocate)
+    _, cache = feed(model, torch.randint(config.vocab_size, (2, 9)), [4, 5], kind)
+    assert isinstance(cache, list) == (kind == "list")  # the seed's contract: a list in, a list out
     assert len(cache) == config.n_layer
     for k, v in (cache[i] for i in range(config.n_layer)):
         assert k.shape == v.shape == (2, config.n_head, 9, config.head_dim)
@@ -61,7 +64,7 @@ def test_present_kv_layout(config, preallocate):
 
 def test_cache_bytes_equal_formula(config):
     model = tiny_model(config)
-    _, cache = feed(model, torch.randint(config.vocab_size, (3, 11)), [6, 5], False)
+    _, cache = feed(model, torch.randint(config.vocab_size, (3, 11)), [6, 5], "list")
     assert cache_nbytes(cache) == cache_bytes_formula(config, 11, batch_size=3, bytes_per_value=4)
     prealloc = KVCache(config, batch_size=2, dtype=torch.bfloat16)
     assert prealloc.nbytes() == cache_bytes_formula(config, config.block_size, 2, bytes_per_value=2)
@@ -71,7 +74,7 @@ def test_overlong_input_raises(config):
     model = tiny_model(config)
     with pytest.raises(ValueError, match="block_size"):
         model(torch.zeros(1, config.block_size + 1, dtype=torch.long))
-    _, cache = feed(model, torch.zeros(1, config.block_size, dtype=torch.long), [config.block_size], True)
+    _, cache = feed(model, torch.zeros(1, config.block_size, dtype=torch.long), [config.block_size], "prealloc")
     with pytest.raises(ValueError, match="block_size"):
         model(torch.zeros(1, 1, dtype=torch.long), cache)
     with pytest.raises(ValueError, match="block_size"):
@@ -81,8 +84,8 @@ def test_overlong_input_raises(config):
 LONG = GPTConfig(block_size=160, vocab_size=260, n_layer=2, n_head=2, n_embd=32)
 
 
-@pytest.mark.parametrize("preallocate", [False, True], ids=["cat", "prealloc"])
-def test_greedy_cached_equals_naive_for_120_tokens(preallocate):
+@pytest.mark.parametrize("kind", ["cat", "prealloc"])
+def test_greedy_cached_equals_naive_for_120_tokens(kind):
     # exact token equality: 1e-6 logit noise could only flip an argmax at a near-tie,
     # which these fixed seeds do not contain (and would show as a one-token divergence)
     cached = tiny_model(LONG, seed=5)
@@ -90,7 +93,7 @@ def test_greedy_cached_equals_naive_for_120_tokens(preallocate):
     naive.load_state_dict(cached.state_dict())
     prompt = torch.randint(LONG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     expected = naive.generate(prompt, 120, temperature=0)
-    got = torch.cat([prompt, *cached.stream(prompt, 120, temperature=0, preallocate=preallocate)], 1)
+    got = torch.cat([prompt, *cached.stream(prompt, 120, temperature=0, cache_kind=kind)], 1)
     assert got.shape == (2, 128)
     assert torch.equal(got, expected)
     assert torch.equal(cached.generate(prompt, 120, temperature=0), expected)
@@ -108,24 +111,24 @@ def test_same_seed_same_samples_cached_or_not():
 
 def test_stream_counts_one_pass_per_token():
     model = tiny_model(LONG, seed=7)
-    stats = {}
+    stats = GenerationStats()
     tokens = list(model.stream(torch.zeros(1, 10, dtype=torch.long), 30, temperature=0, stats=stats))
     assert len(tokens) == 30
     # one prefill of the 10-token prompt, then one position per step (the last token needs none)
-    assert stats["forward_passes"] == 30 and stats["positions_processed"] == 10 + 29
-    naive_stats = {}
+    assert stats.forward_passes == 30 and stats.positions_processed == 10 + 29
+    naive_stats = GenerationStats()
     list(GPT.stream(model, torch.zeros(1, 10, dtype=torch.long), 30, temperature=0, stats=naive_stats))
-    assert naive_stats["positions_processed"] == sum(range(10, 40))  # O(T^2): the whole context
+    assert naive_stats.positions_processed == sum(range(10, 40))  # O(T^2): the whole context
 
 
-@pytest.mark.parametrize("preallocate", [False, True], ids=["cat", "prealloc"])
-def test_num_samples_share_one_prefill(preallocate):
+@pytest.mark.parametrize("kind", ["cat", "prealloc"])
+def test_num_samples_share_one_prefill(kind):
     model = tiny_model(LONG, seed=8)
     prompt = torch.randint(LONG.vocab_size, (1, 12))
-    stats = {}
+    stats = GenerationStats()
     rows = torch.cat(list(model.stream(prompt, 20, temperature=0, stats=stats, num_samples=3,
-                                       preallocate=preallocate)), 1)
-    assert rows.shape == (3, 20) and stats["prefill_passes"] == 1
+                                       cache_kind=kind)), 1)
+    assert rows.shape == (3, 20) and stats.prefill_passes == 1
     single = model.generate(prompt, 20, temperature=0)[:, 12:]
     assert all(torch.equal(row, single[0]) for row in rows)  # greedy: every sample the same
 
@@ -143,14 +146,14 @@ def reference_sliding(model, prompt, n, keep):
     return torch.cat(out, 1)
 
 
-@pytest.mark.parametrize("preallocate", [False, True], ids=["cat", "prealloc"])
-def test_generation_past_block_size(preallocate):
+@pytest.mark.parametrize("kind", ["cat", "prealloc"])
+def test_generation_past_block_size(kind):
     config = GPTConfig(block_size=32, vocab_size=260, n_layer=2, n_head=2, n_embd=32)
     model = tiny_model(config, seed=9)
     prompt = torch.randint(config.vocab_size, (2, 40))  # longer than the context, too
-    stats = {}
+    stats = GenerationStats()
     n = 10 * config.block_size
     got = torch.cat(list(model.stream(prompt, n, temperature=0, stats=stats,
-                                      preallocate=preallocate)), 1)
-    assert got.shape == (2, n) and stats["reprefills"] >= n // (config.block_size // 2) - 1
+                                      cache_kind=kind)), 1)
+    assert got.shape == (2, n) and stats.reprefills >= n // (config.block_size // 2) - 1
     assert torch.equal(got, reference_sliding(model, prompt[:, -32:], n, keep=16))
