@@ -26,6 +26,7 @@ class GenerationStats:
     prefill_passes: int = 0        # passes over a prompt (one per generation, however many rows)
     reprefills: int = 0            # rows rebuilt past block_size (kv_cache.py explains)
     prefill_seconds: float = 0.0
+    compile_seconds: float = 0.0   # torch.compile of the decode step, timed apart from decoding
     cache_bytes: int = 0           # the most the cache tensors held at once
     cache_positions: int = 0       # columns in the cache at the end
 
@@ -203,12 +204,13 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                 generator=None, vocab_limit=None):
+                 generator=None, vocab_limit=None, **loop_args):
         """Return idx (B, T) with max_new_tokens sampled tokens appended: (B, T + max_new_tokens).
 
-        Shared by GPT and KVCacheGPT: only stream() differs between them."""
+        Shared by GPT and KVCacheGPT: only stream() differs between them (loop_args: the
+        cached loop's options, e.g. compile=True)."""
         new_tokens = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator,
-                                      vocab_limit=vocab_limit))
+                                      vocab_limit=vocab_limit, **loop_args))
         return torch.cat([idx, *new_tokens], dim=1)
 
 

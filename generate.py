@@ -54,6 +54,9 @@ def parse_args():
                    help="do not stop at the end-of-text token (fixed-length runs)")
     p.add_argument("--no-cache", action="store_true",
                    help="the naive loop: re-run the whole context every step (for comparison)")
+    p.add_argument("--compile", action="store_true",
+                   help="decode through a static-shape step compiled once with torch.compile "
+                   "(compiling takes a while: --stats reports it apart from the decode speed)")
     p.add_argument("--no-stream", action="store_true", help="print once at the end")
     p.add_argument("--stats", action="store_true", help="timings and cache size, on stderr")
     p.add_argument("--json", action="store_true",
@@ -66,6 +69,8 @@ def parse_args():
                 .replace("temperature", "--temperature", 1))
     if any(s == "" for s in args.stop):
         p.error("--stop: the stop string must not be empty")
+    if args.compile and args.no_cache:
+        p.error("--compile applies to the cached loop; drop --no-cache")
     if (args.prompt or []).count("-") > 1:
         p.error("--prompt -: standard input can be read only once")
     return args
@@ -208,9 +213,6 @@ def encode_prompt(text, tokenizer, block_size):
 
 def generate(args, prompts, model, tokenizer, device):
     ids = [encode_prompt(p, tokenizer, model.config.block_size) for p in prompts]
-    if args.no_cache and len(ids) > 1:
-        raise UserError("--no-cache generates one prompt at a time (the naive loop has no "
-                        "padding); pass a single prompt, or drop --no-cache")
     rows = [i for i in range(len(prompts)) for _ in range(args.num_samples)]  # prompt-major
     samples = [SampleText(tokenizer, args.stop, not args.ignore_eot) for _ in rows]
     printer = Printer(samples, [prompts[i] for i in rows], row_headers(len(prompts), args.num_samples))
@@ -225,7 +227,8 @@ def generate(args, prompts, model, tokenizer, device):
     if args.no_cache:
         tokens = model.stream(torch.tensor(ids, device=device), args.max_new_tokens, **loop_args)
     else:
-        tokens = model.stream(ids, args.max_new_tokens, finished=finished, **loop_args)
+        tokens = model.stream(ids, args.max_new_tokens, finished=finished, compile=args.compile,
+                              **loop_args)
     steps, decoded, t_first = 0, 0, None
     for step_tokens in tokens:
         step_tokens = step_tokens[:, 0].tolist()  # .tolist() waits for the step to finish
@@ -269,6 +272,7 @@ def generation_stats(model, args, stats, ids, samples, steps, decoded, seconds, 
         "new_tokens": [s.tokens for s in samples],
         "decode_steps": steps,
         "prefill_seconds": None if args.no_cache else stats.prefill_seconds,
+        "compile_seconds": stats.compile_seconds if args.compile else None,
         "time_to_first_token_seconds": first_token_seconds,
         "decode_tokens_per_second": decoded / decode_seconds if decoded else None,
         "forward_passes": stats.forward_passes,
@@ -295,6 +299,8 @@ def print_stats(r):
         f"prompt tokens:       {', '.join(map(str, r['prompt_tokens']))}",
         f"new tokens:          {', '.join(map(str, r['new_tokens']))} in {r['decode_steps']} steps",
         f"prefill:             {fmt(r['prefill_seconds'] and r['prefill_seconds'] * 1e3, 'ms')}",
+        *([f"compile:             {fmt(r['compile_seconds'], 's')} (before the first token)"]
+          if r["compile_seconds"] is not None else []),
         f"time to first token: {fmt(r['time_to_first_token_seconds'] and r['time_to_first_token_seconds'] * 1e3, 'ms')}",
         f"decode:              {fmt(r['decode_tokens_per_second'], 'tokens/s')}",
         f"forward passes:      {r['forward_passes']}, {r['positions_processed']} positions processed",
@@ -334,6 +340,9 @@ def main():
             raise UserError(f"--score {args.score}: the file is empty")
     else:
         prompts = read_prompts(args)
+        if args.no_cache and len(prompts) > 1:
+            raise UserError("--no-cache generates one prompt at a time (the naive loop has no "
+                            "padding); pass a single prompt, or drop --no-cache")
     model, tokenizer, device = load_from_args(GPT if args.no_cache else KVCacheGPT, args)
     if not args.score:
         return generate(args, prompts, model, tokenizer, device)

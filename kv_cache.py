@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from base_model import GPT, CausalSelfAttention, GenerationStats, store_linears_column_major
 from cli import ArgumentParser, add_model_args, load_from_args, positive_int, run
+from compiled_decode import compiled_decode_step
 from sample import check_sampling_args, sample
 
 
@@ -320,9 +321,30 @@ class KVCacheGPT(GPT):
         stats.prefill_seconds = time.perf_counter() - t0
         return logits, cache, tokens
 
-    def decode_one(self, token, cache, stats):
-        """Logits (R, V) after feeding token (R, 1): one position per row."""
-        return self.run_pass(token, cache, stats)
+    def decode_one(self, token, cache, stats, compiled=False):
+        """Logits (R, V) after feeding token (R, 1): one position per row. compiled: through
+        compiled_decode.py's static-shape step (the cache must be a KVCache)."""
+        if not compiled:
+            return self.run_pass(token, cache, stats)
+        stats.count_pass(1)
+        pad = cache.pad if cache.pad is not None else torch.zeros_like(token[:, 0])
+        length = torch.tensor([cache.length], device=token.device)
+        logits = compiled_decode_step(self)(self, token, cache.kv, length, pad)
+        cache.length += 1
+        return logits
+
+    def compile_decode(self, cache, stats):
+        """Compile the static-shape decode step for this cache's shapes before decoding, on
+        a scratch copy of the buffer (so the real one is untouched), and time it: the
+        compile is reported as stats.compile_seconds, apart from the decode speed."""
+        if not isinstance(cache, KVCache):
+            raise ValueError("the compiled decode step needs the preallocated cache (cache_kind='prealloc')")
+        t0 = time.perf_counter()
+        token = torch.zeros(cache.kv.size(2), 1, dtype=torch.long, device=cache.kv.device)
+        compiled_decode_step(self)(self, token, torch.empty_like(cache.kv),
+                                   torch.tensor([0], device=token.device), token[:, 0])
+        synchronize(token.device)
+        stats.compile_seconds = time.perf_counter() - t0
 
     def make_room(self, cache, window, stats):
         """The cache is full (block_size columns): make room for one more.
@@ -362,7 +384,7 @@ class KVCacheGPT(GPT):
     @torch.inference_mode()
     def stream(self, prompts, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                generator=None, stats=None, num_samples=1, vocab_limit=None,
-               cache_kind="prealloc", finished=None):
+               cache_kind="prealloc", finished=None, compile=False):
         """Yield the next token of every row, (R, 1) with R = len(prompts) * num_samples,
         one step at a time (rows prompt-major: prompt 0's samples, then prompt 1's...).
 
@@ -371,11 +393,16 @@ class KVCacheGPT(GPT):
         counts the work. vocab_limit: as in GPT.stream. cache_kind: a key of CACHE_KINDS.
         finished: a set the caller may add row numbers to while iterating; those rows leave
         the batch at the next step (their cache rows are freed, their entries are -1 from
-        then on), and the loop ends when every row has finished."""
+        then on), and the loop ends when every row has finished. compile: decode through a
+        static-shape step compiled once (compiled_decode.py); finished rows then stay in
+        the batch and keep getting tokens, for the caller to ignore, because a new batch
+        size would be a new graph."""
         check_sampling_args(temperature, top_k, top_p)
         stats = GenerationStats() if stats is None else stats
         finished = set() if finished is None else finished
         logits, cache, window = self.prefill(prompts, cache_kind, num_samples, stats)
+        if compile:
+            self.compile_decode(cache, stats)
         window = pad_columns(window, self.config.block_size)
         rows = window.size(0)
         active = list(range(rows))  # the caller's row number of each row still in the batch
@@ -389,7 +416,7 @@ class KVCacheGPT(GPT):
                     staying = [i for i, row in enumerate(active) if row not in finished]
                     if not staying:
                         return
-                    if len(staying) < len(active):  # finished rows leave the batch
+                    if len(staying) < len(active) and not compile:  # finished rows leave
                         index = torch.tensor(staying, device=window.device)
                         cache.select_rows(index)
                         window, next_token = window[index], next_token[index]
@@ -397,7 +424,7 @@ class KVCacheGPT(GPT):
                 if cache.length == self.config.block_size:
                     self.make_room(cache, window, stats)
                 window[:, cache.length] = next_token[:, 0]
-                logits = self.decode_one(next_token, cache, stats)
+                logits = self.decode_one(next_token, cache, stats, compile)
         finally:  # also when the caller stops early (a stop string, end of text)
             stats.cache_bytes = max(stats.cache_bytes, cache.nbytes())
             stats.cache_positions = cache.length
@@ -450,11 +477,11 @@ def incremental_logits(model, idx, chunk, kind):
     return torch.cat(pieces, dim=1), cache
 
 
-def timed_generate(model, idx, n, vocab_limit):
+def timed_generate(model, idx, n, vocab_limit, **loop_args):
     """(tokens, tokens per second) for a greedy generation of n tokens."""
     synchronize(idx.device)
     t0 = time.perf_counter()
-    out = model.generate(idx, n, temperature=0, vocab_limit=vocab_limit)
+    out = model.generate(idx, n, temperature=0, vocab_limit=vocab_limit, **loop_args)
     synchronize(idx.device)
     return out, n / (time.perf_counter() - t0)
 
@@ -465,6 +492,8 @@ def main():
     add_model_args(parser)
     parser.add_argument("--tokens", type=positive_int, default=200,
                         help="tokens to generate in the speed test (default: 200)")
+    parser.add_argument("--compile", action="store_true", help="also time the cached loop "
+                        "with its static-shape decode step compiled (compiled_decode.py)")
     args = parser.parse_args()
     model, tokenizer, device = load_from_args(KVCacheGPT, args)
     config = model.config
@@ -501,6 +530,13 @@ def main():
     print(f"   with cache    (KVCacheGPT.generate)    : {cached_tps:8.1f} tokens/s")
     print(f"   speedup: {cached_tps / naive_tps:.2f}x; same tokens: "
           f"{'yes' if torch.equal(cached_out, naive_out) else 'no (float ties in argmax)'}")
+    if args.compile:
+        stats = GenerationStats()
+        timed_generate(model, prompt, 8, n_vocab, compile=True, stats=stats)  # compiles
+        compiled_out, compiled_tps = timed_generate(model, prompt, args.tokens, n_vocab, compile=True)
+        print(f"   with cache, compiled step               : {compiled_tps:8.1f} tokens/s "
+              f"({compiled_tps / cached_tps:.2f}x eager; compiling took {stats.compile_seconds:.1f} s; "
+              f"same tokens: {'yes' if torch.equal(compiled_out, cached_out) else 'no'})")
     text = tokenizer.decode(cached_out[0, prompt.size(1):].tolist())
     print("   continuation: " + repr(text[:120]) + ("..." if len(text) > 120 else ""))
 

@@ -157,3 +157,14 @@ def test_generation_past_block_size(kind):
                                       cache_kind=kind)), 1)
     assert got.shape == (2, n) and stats.reprefills >= n // (config.block_size // 2) - 1
     assert torch.equal(got, reference_sliding(model, prompt[:, -32:], n, keep=16))
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["cat", "prealloc"])
+def test_degenerate_contexts_follow_the_same_policy(block_size, kind):
+    # keep = max(1, block_size // 2): a 1-token context re-prefills nothing, every step
+    config = GPTConfig(block_size=block_size, vocab_size=260, n_layer=2, n_head=2, n_embd=32)
+    model = tiny_model(config, seed=10)
+    prompt = torch.randint(config.vocab_size, (2, block_size))
+    got = torch.cat(list(model.stream(prompt, 20, temperature=0, cache_kind=kind)), 1)
+    assert torch.equal(got, reference_sliding(model, prompt, 20, keep=max(1, block_size // 2)))
