@@ -26,7 +26,7 @@ def test_weights_load_both_ways_strict(config):
 
 
 def test_no_persistent_buffers(config):
-    # the causal mask is a buffer, but it must not leak into checkpoints
+    # nothing but parameters in the state dict: checkpoints stay identical to GPT's
     model = KVCacheGPT(config)
     params = {name for name, _ in model.named_parameters()} | {"lm_head.weight"}
     assert set(model.state_dict()) == params
