@@ -350,7 +350,8 @@ def quantization(args, model, tokenizer, device, reps):
     """WEIGHT_FORMATS on the checkpoint (from the fp32 weights even when --dtype/--quantize
     loaded it otherwise; greedy agreement from a text prompt) and on args.shape."""
     if (args.dtype, args.quantize) != ("float32", "none"):
-        fp32_args = argparse.Namespace(**{**vars(args), "dtype": "float32", "quantize": "none"})
+        fp32_args = argparse.Namespace(**{**vars(args), "dtype": "float32", "quantize": "none",
+                                          "group_size": None})
         model = load_from_args(KVCacheGPT, fp32_args)[0]
     prompt = torch.tensor([tokenizer.encode_ordinary("ROMEO:\n")], device=device)
     checkpoint = weight_formats("checkpoint", model, prompt, args.demo_tokens, reps,
@@ -436,14 +437,14 @@ def print_quantization(results, floor):
         print(f"\n{q['model']}: {q['tokens']} new tokens; floor = bytes / {q['read_GBps']:.1f} GB/s "
               "(plain read of its fp32 weights)")
         agreement = "greedy_prefix_same" in q["formats"][0]
-        print("| weights | MB read per token | floor ms | Linear layers ms | decode ms/token | tok/s "
-              "| x floor | vs fp32 |" + (" greedy tokens = fp32 (leading / all) |" if agreement else ""))
-        print("|---|---|---|---|---|---|---|---|" + ("---|" if agreement else ""))
+        print("| weights | quantize s | MB read per token | floor ms | Linear layers ms | decode ms/token "
+              "| tok/s | x floor | vs fp32 |" + (" greedy tokens = fp32 (leading / all) |" if agreement else ""))
+        print("|---|---|---|---|---|---|---|---|---|" + ("---|" if agreement else ""))
         fp32_ms = q["formats"][0]["decode_ms_per_token"]
         for f in q["formats"]:
             same = (f" {f['greedy_prefix_same']} / {f['greedy_positions_same']} of {q['tokens']} |"
                     if agreement else "")
-            print(f"| {f['format']} | {f['weight_bytes'] / 1e6:.1f} | {f['floor_ms']:.2f} | "
+            print(f"| {f['format']} | {f['quantize_s']:.2f} | {f['weight_bytes'] / 1e6:.1f} | {f['floor_ms']:.2f} | "
                   f"{f['linears_ms']:.2f} | {f['decode_ms_per_token']:.2f} | "
                   f"{1e3 / f['decode_ms_per_token']:.1f} | {f['decode_over_floor']:.1f}x | "
                   f"{fp32_ms / f['decode_ms_per_token']:.2f}x |{same}")

@@ -84,12 +84,17 @@ def load_from_args(cls, args):
         from hf_gpt2 import load_hf_model as load  # only --hf users need this bridge
     model, tokenizer = load(cls, args.hf or args.ckpt, device=device, dtype=dtype,
                             report=lambda line: print(line, file=sys.stderr))
+    return quantize_from_args(model, args), tokenizer, device
+
+
+def quantize_from_args(model, args):
+    """Apply --quantize (and --group-size) to a model already on its device and dtype."""
     if args.quantize != "none":
         try:
             quantize_model(model, args.quantize, args.group_size or INT4_GROUP_SIZE)
         except ValueError as e:
             raise UserError(f"--quantize {args.quantize}: {e}; try --quantize int8") from None
-    return model, tokenizer, device
+    return model
 
 
 def run(main):

@@ -145,11 +145,14 @@ def test_portable_path_equals_the_kernel_numbers(scheme):
                                rtol=2 ** -8, atol=2 ** -8 * lin.weight.abs().max().item())
 
 
-def test_bf16_model_stays_bf16():
-    lin = linear(64, 64).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_keep_their_dtype(dtype):
+    # the kernels run in bf16 either way; the residual stream stays in the model's dtype
+    lin = linear(64, 64).to(dtype)
+    x = torch.randn(3, 64, dtype=dtype)
     for scheme in SCHEMES:
-        y = quantized(lin, scheme)(torch.randn(3, 64, dtype=torch.bfloat16))
-        assert y.dtype == torch.bfloat16
+        q = quantized(lin, scheme)
+        assert q(x).dtype == dtype and q.state_dict()["weight"].dtype == dtype
 
 
 def test_int4_refuses_widths_the_groups_do_not_divide():
