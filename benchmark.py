@@ -9,6 +9,8 @@ Batch 1 decoding reads every weight once per token, so its floor is the time to 
 all weights through a matrix-vector product; this measures that floor in the same run.
 """
 
+import argparse
+import copy
 import json
 import platform
 import resource
@@ -20,11 +22,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from base_model import GPT, GPTConfig, store_linears_column_major
 from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
 from kv_cache import KVCacheGPT, cache_bytes_formula, synchronize
+from quantize import (INT4_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear, QuantizedLinear,
+                      quantize_model)
 
 SHAPES = {  # random-weight models at a named shape
     "tiny": GPTConfig(block_size=256, vocab_size=4096, n_layer=6, n_head=4, n_embd=128),
@@ -256,6 +261,136 @@ def peer(shape, device, n, reps):
     return result
 
 
+# ---------------------------------------------------------------------------- quantization
+
+WEIGHT_FORMATS = {  # name: (the model's dtype, weight-only quantization); see quantize.py
+    "fp32": (torch.float32, None),
+    "bf16": (torch.bfloat16, None),
+    "int8": (torch.float32, "int8"),
+    "int4": (torch.float32, "int4"),
+    "int8, bf16 model": (torch.bfloat16, "int8"),
+    "int4, bf16 model": (torch.bfloat16, "int4"),
+}
+
+
+def linear_layers(model):
+    return [m for m in model.modules() if isinstance(m, (nn.Linear, QuantizedLinear))]
+
+
+def weight_bytes(layer):
+    """Bytes a Linear layer's weight takes, in whatever format it is stored."""
+    return layer.weight.nbytes if isinstance(layer, nn.Linear) else layer.weight_nbytes()
+
+
+def weight_bytes_per_token(model):
+    """Bytes of weights one batch-1 decode step reads: each Linear's weight once. wte is
+    read through the tied lm_head (its embedding lookup reads one row), wpe one row: both
+    left out, as in bandwidth_floor."""
+    return sum(weight_bytes(m) for m in linear_layers(model))
+
+
+@torch.inference_mode()
+def layers_ms(layers, device, dtype, reps):
+    """One matrix-vector product through each layer, as a decode step runs them (casts and
+    bias included), inputs in the model's dtype: the kernels' share of a step, in ms."""
+    vectors = {m.in_features: torch.randn(1, 1, m.in_features, device=device, dtype=dtype)
+               for m in layers}
+
+    def once():
+        synchronize(device)
+        t0 = time.perf_counter()
+        for m in layers:
+            m(vectors[m.in_features])
+        synchronize(device)
+        return time.perf_counter() - t0
+    return 1e3 * min(repeat(once, reps))
+
+
+def row_major(linear):
+    out = copy.deepcopy(linear)
+    out.weight.data = out.weight.data.contiguous()
+    return out
+
+
+def kernel_timings(shape, device, reps):
+    """Every Linear of a random-weight model of this shape, one matrix-vector product each,
+    in each weight format, kernel activation dtype and int4 group size: what the kernels
+    cost apart from the rest of a step. Each variant is built, timed and freed in turn."""
+    linears = [m for m in random_model(shape, device).modules() if isinstance(m, nn.Linear)]
+    fp32, bf16 = torch.float32, torch.bfloat16
+    variants = {  # label: (how to build the layers, the model's dtype around them)
+        "fp32, column-major (our layout)": (lambda m: m, fp32),
+        "fp32, row-major (nn.Linear's default)": (row_major, fp32),
+        "bf16": (lambda m: copy.deepcopy(m).to(bf16), bf16),
+        "int8, bf16 activations": (Int8Linear, fp32),
+        "int8, fp32 activations": (lambda m: Int8Linear(m, activation_dtype=fp32), fp32),
+        **{f"int4 groups of {g}, bf16 activations": (lambda m, g=g: Int4Linear(m, g), fp32)
+           for g in INT4_GROUP_SIZES if SHAPES[shape].n_embd % g == 0},
+        f"int4 groups of {INT4_GROUP_SIZE}, fp32 activations":
+            (lambda m: Int4Linear(m, activation_dtype=fp32), fp32),
+    }
+    timings = {}
+    for label, (build, dtype) in variants.items():
+        layers = [build(m) for m in linears]
+        timings[label] = {"ms": layers_ms(layers, device, dtype, reps),
+                          "weight_bytes": sum(weight_bytes(m) for m in layers)}
+    return {"shape": shape, "variants": timings}
+
+
+def decode_ms_per_token(model, prompt, n, reps):
+    """Median per-token decode time: everything after the first token (prefill included there)."""
+    runs = repeat(lambda: step_times(model, "prealloc", prompt, n), reps)
+    return statistics.median(1e3 * (r[-1] - r[0]) / (len(r) - 1) for r in runs)
+
+
+def greedy_agreement(tokens, reference):
+    """(leading tokens identical, positions equal) of two greedy continuations (1, n)."""
+    same = (tokens == reference)[0].long()
+    return int(same.cumprod(0).sum()), int(same.sum())
+
+
+def weight_formats(name, fp32_model, prompt, n, reps, vocab_limit=None, agreement=False):
+    """Each of WEIGHT_FORMATS on one model: bytes read per token, the floor for those bytes
+    at the plain-read bandwidth measured on this model's own weights, the Linear layers'
+    time, and decode speed; with agreement=True, how many of n greedy tokens match fp32."""
+    read_GBps = bandwidth_floor(fp32_model, reps)["read_GBps"]
+    rows, fp32_tokens = [], None
+    for label, (dtype, scheme) in WEIGHT_FORMATS.items():
+        model = copy.deepcopy(fp32_model).to(dtype)
+        t0 = time.perf_counter()
+        if scheme:
+            quantize_model(model, scheme)
+        row = {"format": label, "quantize_s": time.perf_counter() - t0,
+               "weight_bytes": weight_bytes_per_token(model),
+               "linears_ms": layers_ms(linear_layers(model), prompt.device, dtype, reps),
+               "decode_ms_per_token": decode_ms_per_token(model, prompt, n, reps)}
+        row["floor_ms"] = row["weight_bytes"] / read_GBps / 1e6
+        row["decode_over_floor"] = row["decode_ms_per_token"] / row["floor_ms"]
+        if agreement:
+            tokens = model.generate(prompt, n, temperature=0, vocab_limit=vocab_limit)[:, prompt.size(1):]
+            fp32_tokens = tokens if fp32_tokens is None else fp32_tokens  # fp32 comes first
+            row["greedy_prefix_same"], row["greedy_positions_same"] = greedy_agreement(tokens, fp32_tokens)
+        rows.append(row)
+        del model
+    return {"model": name, "read_GBps": read_GBps, "tokens": n, "formats": rows}
+
+
+def quantization(args, model, tokenizer, device, reps):
+    """WEIGHT_FORMATS on the checkpoint (from the fp32 weights even when --dtype/--quantize
+    loaded it otherwise; greedy agreement from a text prompt) and on args.shape."""
+    if (args.dtype, args.quantize) != ("float32", "none"):
+        fp32_args = argparse.Namespace(**{**vars(args), "dtype": "float32", "quantize": "none",
+                                          "group_size": None})
+        model = load_from_args(KVCacheGPT, fp32_args)[0]
+    prompt = torch.tensor([tokenizer.encode_ordinary("ROMEO:\n")], device=device)
+    checkpoint = weight_formats("checkpoint", model, prompt, args.demo_tokens, reps,
+                                vocab_limit=tokenizer.n_vocab, agreement=True)
+    prompt = torch.zeros(1, args.prompt_tokens, dtype=torch.long, device=device)
+    shape = weight_formats(f"{args.shape} shape, random weights", random_model(args.shape, device),
+                           prompt, args.demo_tokens, reps)
+    return {"kernels": kernel_timings(args.shape, device, reps), "models": [checkpoint, shape]}
+
+
 # ---------------------------------------------------------------------------- report
 
 def fmt_spread(s, digits=1):
@@ -324,6 +459,34 @@ def print_report(r):
               f"greedy tokens match: {p['greedy_tokens_match']}")
 
 
+def print_quantization(results, floor):
+    k = results["kernels"]
+    print(f"\n## Weight-only quantization (quantize.py): the kernels ({k['shape']} shape, every "
+          "Linear once on one vector)")
+    print("| weights | MB | ms |\n|---|---|---|")
+    for label, v in k["variants"].items():
+        print(f"| {label} | {v['weight_bytes'] / 1e6:.1f} | {v['ms']:.1f} |")
+    if floor["shape"] == k["shape"]:
+        print(f"| plain read of the fp32 bytes (the floor section) | {floor['weight_bytes'] / 1e6:.1f} | "
+              f"{floor['read_ms']:.1f} |")
+    print("\n## Weight-only quantization: bytes read per token, and what they buy")
+    for q in results["models"]:
+        print(f"\n{q['model']}: {q['tokens']} new tokens; floor = bytes / {q['read_GBps']:.1f} GB/s "
+              "(plain read of its fp32 weights)")
+        agreement = "greedy_prefix_same" in q["formats"][0]
+        print("| weights | quantize s | MB read per token | floor ms | Linear layers ms | decode ms/token "
+              "| tok/s | x floor | vs fp32 |" + (" greedy tokens = fp32 (leading / all) |" if agreement else ""))
+        print("|---|---|---|---|---|---|---|---|---|" + ("---|" if agreement else ""))
+        fp32_ms = q["formats"][0]["decode_ms_per_token"]
+        for f in q["formats"]:
+            same = (f" {f['greedy_prefix_same']} / {f['greedy_positions_same']} of {q['tokens']} |"
+                    if agreement else "")
+            print(f"| {f['format']} | {f['quantize_s']:.2f} | {f['weight_bytes'] / 1e6:.1f} | {f['floor_ms']:.2f} | "
+                  f"{f['linears_ms']:.2f} | {f['decode_ms_per_token']:.2f} | "
+                  f"{1e3 / f['decode_ms_per_token']:.1f} | {f['decode_over_floor']:.1f}x | "
+                  f"{fp32_ms / f['decode_ms_per_token']:.2f}x |{same}")
+
+
 def plot(r, path):
     try:
         import matplotlib
@@ -376,6 +539,8 @@ def main():
     p.add_argument("--batch-tokens", type=positive_int, default=64,
                    help="new tokens per row in the batch table (default: 64)")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers comparison")
+    p.add_argument("--no-quantization", action="store_true",
+                   help="skip the weight formats table (fp32, bf16, int8, int4)")
     p.add_argument("--compile", action="store_true",
                    help="also time decoding with torch.compile (compiles for minutes on a CPU)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -387,7 +552,7 @@ def main():
     if args.naive_check is None:
         args.naive_check = 32 if args.quick else 128
 
-    model, _, device = load_from_args(KVCacheGPT, args)
+    model, tokenizer, device = load_from_args(KVCacheGPT, args)
     r = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
          "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device.type,
          "reps": reps, "checkpoint": args.ckpt or args.hf or "the default checkpoint",
@@ -407,8 +572,12 @@ def main():
         results = [peer(s, device, args.demo_tokens, reps) for s in shapes]
         r["peer"] = None if None in results else results
         r["peer_note"] = "skipped: transformers is not installed (pip install -r requirements-dev.txt)"
+    if not args.no_quantization:
+        r["quantization"] = quantization(args, model, tokenizer, device, reps)
     r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print_report(r)
+    if "quantization" in r:
+        print_quantization(r["quantization"], r["floor"])
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(r, indent=1))

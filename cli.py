@@ -11,6 +11,7 @@ import torch
 
 from base_model import store_linears_column_major
 from checkpoint import CheckpointError, load_model
+from quantize import INT4_GROUP_SIZE, INT4_GROUP_SIZES, SCHEMES, quantize_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,6 +45,11 @@ def add_model_args(parser):
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
                         help="weights and activations (default: float32)")
     parser.add_argument("--seed", type=int, default=1337, help="random seed (default: 1337)")
+    parser.add_argument("--quantize", default="none", choices=["none", *SCHEMES],
+                        help="weight-only quantization of every Linear after loading: int8 per "
+                        "channel, or int4 per group of --group-size inputs (default: none; see quantize.py)")
+    parser.add_argument("--group-size", type=int, choices=INT4_GROUP_SIZES, help="input channels "
+                        f"sharing a scale with --quantize int4 (default: {INT4_GROUP_SIZE})")
 
 
 def pick_device(name):
@@ -68,7 +74,9 @@ def pick_dtype(name, device):
 
 
 def load_from_args(cls, args):
-    """(model, tokenizer, device) for the --ckpt/--device/--dtype flags; seeds torch."""
+    """(model, tokenizer, device) for the --ckpt/--device/--dtype/--quantize flags; seeds torch."""
+    if args.group_size and args.quantize != "int4":
+        raise UserError("--group-size applies to --quantize int4 only")
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     torch.manual_seed(args.seed)
@@ -77,8 +85,24 @@ def load_from_args(cls, args):
         from hf_gpt2 import load_hf_model as load  # only --hf users need this bridge
     model, tokenizer = load(cls, args.hf or args.ckpt, device=device, dtype=dtype,
                             report=lambda line: print(line, file=sys.stderr))
-    # every script generates from the model it loads: give it the decode-speed weight layout
-    return store_linears_column_major(model), tokenizer, device
+    return prepare_for_generation(model, args), tokenizer, device
+
+
+def prepare_for_generation(model, args):
+    """What every model a script generates from goes through after loading (the naive twin
+    of a comparison too, so that both loops run the same weights the same way): the
+    decode-speed weight layout (base_model.store_linears_column_major), then --quantize."""
+    return quantize_from_args(store_linears_column_major(model), args)
+
+
+def quantize_from_args(model, args):
+    """Apply --quantize (and --group-size) to a model already on its device and dtype."""
+    if args.quantize != "none":
+        try:
+            quantize_model(model, args.quantize, args.group_size or INT4_GROUP_SIZE)
+        except ValueError as e:
+            raise UserError(f"--quantize {args.quantize}: {e}; try --quantize int8") from None
+    return model
 
 
 def run(main):

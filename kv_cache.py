@@ -18,8 +18,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from base_model import GPT, CausalSelfAttention, GenerationStats, store_linears_column_major
-from cli import ArgumentParser, add_model_args, load_from_args, positive_int, run
+from base_model import GPT, CausalSelfAttention, GenerationStats
+from cli import (ArgumentParser, add_model_args, load_from_args, positive_int,
+                 prepare_for_generation, run)
 from compiled_decode import compiled_decode_step
 from sample import check_sampling_args, sample
 
@@ -502,7 +503,7 @@ def main():
     # and the same weight layout, so that the speed comparison measures only the cache.
     naive = GPT(config).to(device=device, dtype=model.lm_head.weight.dtype).eval()
     naive.load_state_dict(model.state_dict(), strict=True)
-    store_linears_column_major(naive)
+    prepare_for_generation(naive, args)
 
     print("\n1. Correctness: incremental feeds vs one full forward (max |full - incremental| logit)")
     T = min(64, config.block_size)

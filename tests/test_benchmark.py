@@ -22,6 +22,17 @@ def test_quick_benchmark_writes_its_report(tmp_path):
     floor = report["floor"]
     assert floor["cache_bytes_formula"] == floor["cache_bytes_real"]
     assert floor["matvec_ms"] > 0 and report["seed_demo"]["speedup"] > 0
+    # the weight formats table: int8 reads about a quarter of fp32's bytes, int4 an eighth
+    # plus its per-group scales; the checkpoint's fp32 row agrees with itself
+    checkpoint, shape = report["quantization"]["models"]
+    formats = {f["format"]: f for f in shape["formats"]}
+    fp32 = formats["fp32"]["weight_bytes"]
+    assert fp32 / 4 < formats["int8"]["weight_bytes"] < fp32 / 3.9
+    assert fp32 / 8 < formats["int4"]["weight_bytes"] < fp32 / 6
+    assert checkpoint["formats"][0]["greedy_prefix_same"] == 8
+    kernels = report["quantization"]["kernels"]["variants"]
+    assert all(v["ms"] > 0 for v in kernels.values())
+    assert "int8, fp32 activations" in kernels and "int4 groups of 128, bf16 activations" in kernels
 
 
 def test_bad_lengths_exit_2():

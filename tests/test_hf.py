@@ -377,5 +377,6 @@ def test_cli_hf_flag(hf_dir):
     from argparse import Namespace
     from cli import load_from_args
     model, enc, device = load_from_args(KVCacheGPT, Namespace(hf=str(hf_dir), ckpt=None, device="cpu",
-                                                              dtype="float32", seed=0))
+                                                              dtype="float32", seed=0,
+                                                              quantize="none", group_size=None))
     assert isinstance(model, KVCacheGPT) and enc.eot_token == EOT_ID and device.type == "cpu"

@@ -1,0 +1,251 @@
+"""
+Weight-only quantization: keep every Linear weight in 8 or 4 bits and multiply with
+kernels that read those bits directly. Embeddings, LayerNorms, biases, the residual
+stream and the logits stay in the model's dtype.
+
+Why it pays: at batch 1 a decode step multiplies each weight matrix by one vector, so
+every weight is read from memory once and used for a single multiply-add. The step costs
+the bytes it reads, not the arithmetic it does. fp32 weights are 4 bytes each; int8
+weights 1 byte (plus one scale per row); int4 weights half a byte (plus a scale and a
+zero point per group of G): about 4x and 7x fewer bytes per token.
+
+What it trades: each weight is rounded to one of 255 (int8) or 16 (int4) levels, so the
+model computes with slightly different weights. The error per weight is at most half a
+level (scale / 2), and held-out bits per character show what that costs (README).
+
+The two schemes, for a weight W of shape (out, in), row n = output channel n:
+  int8, symmetric, per output channel: scale[n] = max|W[n]| / 127, q = round(W / scale)
+        in [-127, 127], W ~ q * scale. One scale per row is free at run time: the kernel
+        computes x @ q.T and multiplies each output by its row's scale. Symmetric keeps
+        0 exact and needs no zero point; 8 bits leave plenty of levels for one per row.
+  int4, asymmetric, in groups of G input channels: 16 levels are few, so each run of G
+        weights in a row gets its own range [lo, hi]: scale = (hi - lo) / 15,
+        q = round((W - lo) / scale) in [0, 15], W ~ (q - 8) * scale + zero with
+        zero = lo + 8 * scale (torch's kernel takes the value at level 8). A zero point
+        is free here because the kernel wants one, and it spends all 16 levels on the
+        group's actual range instead of half of them on a side that may be empty.
+        G = 32, chosen by measurement (README): the smallest group the kernel takes and
+        the best held-out quality, for 0.625 bytes per weight against G = 64's 0.5625.
+
+The kernels: torch's CPU ones, torch._weight_int8pack_mm and
+aten._weight_int4pack_mm_for_cpu (with aten._convert_weight_to_int4pack_for_cpu for its
+packed layout), are fast only with bfloat16 activations: fed fp32 (or fp16) the int8 one
+is several times slower than a plain fp32 product (README). So on the CPU each quantized
+Linear casts its input to bf16, runs the kernel, and casts the output back. On any other
+device (cuda, mps) a portable path dequantizes the weight and calls F.linear in the
+model's dtype: it saves memory, not time. It is deliberately simple because no GPU was
+available to test anything faster (torch's CUDA int4 kernel needs its own packing).
+
+The tied lm_head / wte: at GPT-2 size the lm_head is the biggest matrix (50257 x 768,
+30% of the bytes of a step), so it is quantized like any Linear. But the same tensor is
+the token embedding, whose lookup reads one row per step: it stays exact, in full
+precision, because quantizing it would save no time (one row) and would change every
+token's input. The cost is memory: the full table stays next to its int8/int4 copy.
+
+A quantized model's state_dict() still reads like the original's: every Linear saves its
+dequantized weight under `weight`, so names and shapes are unchanged and a plain GPT can
+load it (the tied lm_head's entry is the exact table: a plain GPT loaded from it computes
+its head in full precision); loading a full-precision weight into a quantized Linear
+quantizes it. Checkpoints
+are never written quantized: quantizing on load takes about a second at GPT-2 size, and
+the CPU int4 layout is the kernel's own, not something to keep in a file.
+
+    python generate.py --prompt "ROMEO:" --quantize int8
+    python generate.py --score checkpoints/shakespeare/heldout.txt --quantize int4
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SCHEMES = ("int8", "int4")
+INT4_GROUP_SIZE = 32
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU int4 kernel accepts
+KERNEL_DTYPE = torch.bfloat16  # the activation dtype the CPU kernels are fast with
+MIN_SCALE = 1e-12  # an all-equal row or group would have scale 0: keep the division defined
+
+
+# ---------------------------------------------------------------------------- the schemes
+
+def quantize_int8(weight):
+    """(q, scale): q (out, in) int8 in [-127, 127], scale (out,) fp32; W ~ q * scale[:, None]
+    with |W - q * scale| <= scale / 2 for every weight."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=MIN_SCALE)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
+def dequantize_int8(q, scale):
+    return q.float() * scale.float()[:, None]
+
+
+def quantize_int4(weight, group_size):
+    """(q, scale, zero): q (out, in) uint8 in [0, 15], scale and zero (out, in / group_size)
+    fp32; in each group W ~ (q - 8) * scale + zero, within scale / 2."""
+    out_features, in_features = weight.shape
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)  # (out, groups)
+    scale = ((hi - lo) / 15).clamp(min=MIN_SCALE)
+    q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15)
+    zero = lo + 8 * scale
+    return q.to(torch.uint8).reshape(out_features, in_features), scale, zero
+
+
+def dequantize_int4(q, scale, zero, group_size):
+    out_features, in_features = q.shape
+    groups = q.float().reshape(out_features, in_features // group_size, group_size) - 8
+    return (groups * scale.float()[..., None] + zero.float()[..., None]).reshape(out_features, in_features)
+
+
+# ---------------------------------------------------------------------------- the modules
+
+class QuantizedLinear(nn.Module):
+    """What Int8Linear and Int4Linear share: the bias, the casts around the kernel, and a
+    state dict that looks like nn.Linear's. Quantize after moving the model to its device:
+    the path (CPU kernel or portable) is chosen for the device the weight is on.
+    use_cpu_kernel=False forces the portable path (the tests check it on the CPU);
+    activation_dtype overrides what the matmul runs in (benchmark.py times the kernels fed
+    fp32 to show why the default is bf16)."""
+
+    def __init__(self, linear, use_cpu_kernel=None, activation_dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias  # the same Parameter, in the model's dtype, added after the kernel
+        self.dtype = linear.weight.dtype  # the model's: what the state dict holds
+        on_cpu = linear.weight.device.type == "cpu"
+        self.use_cpu_kernel = on_cpu if use_cpu_kernel is None else use_cpu_kernel
+        # what the matmul runs in: bf16 for the CPU kernels, else the model's own dtype
+        self.compute_dtype = activation_dtype or (KERNEL_DTYPE if self.use_cpu_kernel else self.dtype)
+
+    def forward(self, x):
+        shape = x.shape  # (..., in)
+        y = self.matmul(x.reshape(-1, self.in_features).to(self.compute_dtype))  # (rows, out)
+        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)  # back to the model's dtype
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, "
+                f"{'CPU kernel' if self.use_cpu_kernel else 'portable path'} in {self.compute_dtype}")
+
+    def weight_nbytes(self):
+        """Bytes a forward pass reads from this layer's weight (not counting the bias)."""
+        return sum(b.nbytes for b in self.buffers(recurse=False))
+
+    # A quantized model must still save and load like the model it stands for.
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if "weight" not in self._parameters:  # weight first, then bias: nn.Linear's order
+            destination[prefix + "weight"] = self.dequantized_weight().to(self.dtype)
+        super()._save_to_state_dict(destination, prefix, keep_vars)  # bias, a tied weight
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                              missing_keys, unexpected_keys, error_msgs):
+        key = prefix + "weight"
+        if key in state_dict:
+            device = next(self.buffers()).device
+            self.set_weight(state_dict[key].to(device))  # a full-precision weight: quantize it
+        elif strict:
+            missing_keys.append(key)
+        if "weight" not in self._parameters:  # not a parameter here: nn.Module would call it unexpected
+            state_dict = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+
+
+class Int8Linear(QuantizedLinear):
+    """nn.Linear with int8 weights, one scale per output channel."""
+
+    def __init__(self, linear, use_cpu_kernel=None, activation_dtype=None):
+        super().__init__(linear, use_cpu_kernel, activation_dtype)
+        self.set_weight(linear.weight.detach())
+
+    def set_weight(self, weight):
+        q, scale = quantize_int8(weight)
+        # buffers, not parameters, and not persistent: the state dict holds `weight` instead
+        self.register_buffer("weight_int8", q, persistent=False)  # (out, in), row-major
+        self.register_buffer("scale", scale.to(self.compute_dtype), persistent=False)  # (out,)
+
+    def matmul(self, x):
+        if self.use_cpu_kernel:
+            return torch._weight_int8pack_mm(x, self.weight_int8, self.scale)  # (x @ q.T) * scale
+        return F.linear(x, self.weight_int8.to(x.dtype)) * self.scale  # the same, portably
+
+    def dequantized_weight(self):
+        return dequantize_int8(self.weight_int8, self.scale)
+
+
+class Int4Linear(QuantizedLinear):
+    """nn.Linear with 4-bit weights, a scale and a zero point per group of group_size
+    input channels. Two layouts of the same numbers: on the CPU the kernel's own packing
+    (rows padded to a multiple of 16, which it requires); elsewhere two weights per byte,
+    low nibble first."""
+
+    def __init__(self, linear, group_size=INT4_GROUP_SIZE, use_cpu_kernel=None, activation_dtype=None):
+        super().__init__(linear, use_cpu_kernel, activation_dtype)
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+        if self.in_features % group_size:
+            raise ValueError(f"int4 needs every Linear's input width to be a multiple of the "
+                             f"group size {group_size}, and one is {self.in_features}")
+        self.group_size = group_size
+        self.set_weight(linear.weight.detach())
+
+    def set_weight(self, weight):
+        q, scale, zero = quantize_int4(weight, self.group_size)
+        scale_and_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1)  # (groups, out, 2)
+        if self.use_cpu_kernel:
+            pad = -self.out_features % 16  # padded rows are computed and sliced off
+            q = F.pad(q, (0, 0, 0, pad))
+            scale_and_zero = F.pad(scale_and_zero, (0, 0, 0, pad))
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+        else:
+            packed = q[:, 0::2] | (q[:, 1::2] << 4)  # (out, in / 2): weights 2i and 2i+1 share a byte
+        self.register_buffer("weight_int4", packed, persistent=False)
+        self.register_buffer("scale_and_zero", scale_and_zero.to(self.compute_dtype).contiguous(),
+                             persistent=False)
+
+    def matmul(self, x):
+        if self.use_cpu_kernel:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.weight_int4, self.group_size, self.scale_and_zero)  # (rows, padded out)
+            return y[:, :self.out_features]
+        return F.linear(x, self.dequantized_weight().to(x.dtype))
+
+    def dequantized_weight(self):
+        """The weight as the layer uses it, (out, in) fp32."""
+        if self.use_cpu_kernel:
+            # the packed layout is the kernel's own, so read it back through the kernel: the
+            # identity times W.T is W.T, exact in fp32 (one nonzero product per output)
+            eye = torch.eye(self.in_features, device=self.weight_int4.device)
+            wt = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                eye, self.weight_int4, self.group_size, self.scale_and_zero.float())
+            return wt[:, :self.out_features].t()
+        q = torch.stack([self.weight_int4 & 15, self.weight_int4 >> 4], dim=-1)  # (out, in / 2, 2)
+        scale, zero = self.scale_and_zero.transpose(0, 1).unbind(-1)  # (out, groups) each
+        return dequantize_int4(q.reshape(self.out_features, self.in_features), scale, zero,
+                               self.group_size)
+
+
+@torch.no_grad()
+def quantize_model(model, scheme, group_size=INT4_GROUP_SIZE, use_cpu_kernel=None):
+    """Replace every nn.Linear of a loaded GPT or KVCacheGPT by its quantized version, in
+    place, and return the model. scheme: 'int8' or 'int4'. Quantize after .to(device, dtype).
+    Raises ValueError (a one-line message) where the scheme cannot apply."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}: choose one of {', '.join(SCHEMES)}")
+
+    def quantized(linear):
+        if scheme == "int8":
+            return Int8Linear(linear, use_cpu_kernel)
+        return Int4Linear(linear, group_size, use_cpu_kernel)
+
+    # build every replacement first, so that a shape the scheme refuses leaves the model as it was
+    replacements = [(parent, name, quantized(child)) for parent in model.modules()
+                    for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    for parent, name, module in replacements:
+        setattr(parent, name, module)
+    # the tied lm_head: its matmul is quantized, but its weight is also the token embedding,
+    # which stays exact; keeping it here keeps model.lm_head.weight and the state dict as they were
+    model.lm_head.weight = model.transformer.wte.weight
+    return model

@@ -1,0 +1,298 @@
+"""Weight-only quantization (quantize.py): the schemes' error bounds, the quantized Linear
+against fp32, the model's state dict, generation in both loops, and the --quantize flag.
+
+Tolerances, derived once here and used below:
+  - rounding to the nearest of evenly spaced levels is off by at most half a step, so
+    |W - dequantize(quantize(W))| <= scale / 2 per weight; fp32's own rounding in W / scale
+    (a few units of 2^-24 on values up to 127) widens that by 1e-5 of a step at most.
+  - the CPU kernels take bf16 activations. bf16 keeps 8 significant bits (relative rounding
+    <= 2^-9), and x, the scale, the zero point and the output are each rounded once, so an
+    output of x @ W.T differs from the fp32 product with the same dequantized W by at most
+    4 * 2^-9 * sum_k |x_k| * max_k |W[n, k]| = 2^-7 * ... (the kernel accumulates in fp32).
+  - against the unquantized fp32 Linear, add the weights' own error: output n moves by at
+    most sum_k |x_k| * scale[n, k] / 2.
+Both are worst cases (every rounding the same way); measured errors stay under a quarter
+of them (20 seeds, three shapes).
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from base_model import GPT
+from checkpoint import BUNDLED, load_model, save_checkpoint
+from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
+from generate import score
+from kv_cache import KVCacheGPT
+from quantize import (Int4Linear, Int8Linear, QuantizedLinear, dequantize_int4, dequantize_int8,
+                      quantize_int4, quantize_int8, quantize_model)
+from test_generate_cli import generate, run_cli
+
+BF16_BOUND = 2.0 ** -7  # see the module docstring
+SCHEMES = ["int8", "int4"]
+PATHS = {"cpu-kernel": True, "portable": False}
+
+
+def weights(out_features, in_features, seed=0):
+    """GPT-2-like weights with the things that stress a quantizer: outliers, a zero row, a
+    constant run of 32 (a group with no range)."""
+    w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) * 0.02
+    w[1, 5] = 0.9  # an outlier stretches its row's (or group's) scale
+    w[2] = 0.0
+    w[3, :32] = 0.07
+    return w
+
+
+def linear(out_features, in_features, bias=True, seed=0):
+    lin = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(weights(out_features, in_features, seed))
+        if bias:
+            lin.bias.normal_(generator=torch.Generator().manual_seed(seed + 1))
+    return lin
+
+
+def quantized(lin, scheme, use_cpu_kernel=None, group_size=32):
+    if scheme == "int8":
+        return Int8Linear(lin, use_cpu_kernel=use_cpu_kernel)
+    return Int4Linear(lin, group_size=group_size, use_cpu_kernel=use_cpu_kernel)
+
+
+def bf16_bound(x, weight):
+    """The module docstring's bound on bf16 arithmetic, per output: (..., out)."""
+    return BF16_BOUND * x.abs().sum(dim=-1, keepdim=True) * weight.abs().amax(dim=1)
+
+
+def step_scales(module):
+    """The quantization step of every weight, (out, in): scale per row or per group."""
+    if isinstance(module, Int8Linear):
+        return module.scale.float()[:, None].expand(module.out_features, module.in_features)
+    scale = module.scale_and_zero[..., 0].float().t()[:module.out_features]  # (out, groups)
+    return scale.repeat_interleave(module.group_size, dim=1)
+
+
+# ---------------------------------------------------------------------------- the schemes
+
+def test_int8_round_trip_within_half_a_step():
+    w = weights(96, 256)
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (96,)
+    assert q.abs().max() <= 127 and (q.abs().amax(dim=1)[scale > 1e-12] == 127).all()
+    error = (w - dequantize_int8(q, scale)).abs()
+    assert (error <= scale[:, None] * (0.5 + 1e-5)).all()
+    assert torch.equal(dequantize_int8(q, scale)[2], torch.zeros(256))  # zero stays exact
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_round_trip_within_half_a_step(group_size):
+    w = weights(96, 256)
+    q, scale, zero = quantize_int4(w, group_size)
+    assert q.dtype == torch.uint8 and q.max() <= 15 and scale.shape == (96, 256 // group_size)
+    dq = dequantize_int4(q, scale, zero, group_size)
+    step = scale.repeat_interleave(group_size, dim=1)
+    assert ((w - dq).abs() <= step * (0.5 + 1e-5) + 1e-7).all()
+    assert (dq[3, :32] - 0.07).abs().max() < 1e-7  # a group with no range is kept as it is
+    # every group spans all 16 levels: its min maps to 0 and its max to 15
+    levels = q.reshape(96, -1, group_size)
+    spread = scale > 1e-12
+    assert (levels.amin(-1)[spread] == 0).all() and (levels.amax(-1)[spread] == 15).all()
+
+
+def test_int4_groups_confine_an_outlier():
+    # row 1 has a 0.9 outlier at column 5: it stretches its own group's step (0.9 / 15),
+    # and the row's other groups keep steps of ordinary weights (about 0.1 / 15)
+    _, scale, _ = quantize_int4(weights(96, 256), 32)
+    assert scale[1, 0] > 0.9 / 15 and scale[1, 1:].max() < scale[1, 0] / 4
+
+
+# ---------------------------------------------------------------------------- the modules
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("out_features", [96, 300])  # 300: not a multiple of 16, padded for int4
+def test_quantized_linear_matches_its_dequantized_weight(scheme, path, out_features):
+    lin = linear(out_features, 128)
+    q = quantized(lin, scheme, PATHS[path])
+    x = torch.randn(2, 5, 128)
+    dq = q.dequantized_weight()
+    assert dq.shape == lin.weight.shape
+    ref = F.linear(x, dq, lin.bias)
+    y = q(x)
+    assert y.shape == (2, 5, out_features) and y.dtype == torch.float32
+    if PATHS[path]:  # bf16 activations: the bound derived in the module docstring
+        assert ((y - ref).abs() <= bf16_bound(x, dq) + 1e-6).all()
+    else:  # fp32 throughout: the same product, up to summation order
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantized_linear_vs_fp32_within_the_derived_bound(scheme):
+    lin = linear(96, 256)
+    q = quantized(lin, scheme)
+    x = torch.randn(7, 256)
+    with torch.no_grad():
+        ref = lin(x)
+    quantization = x.abs() @ (step_scales(q) / 2).T  # (7, 96)
+    arithmetic = bf16_bound(x, q.dequantized_weight())
+    assert ((q(x) - ref).abs() <= quantization + arithmetic + 1e-6).all()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_portable_path_equals_the_kernel_numbers(scheme):
+    # the same quantized weights in both layouts: the path for cuda/mps, checked here
+    lin = linear(300, 64, bias=False)
+    kernel, portable = quantized(lin, scheme, True), quantized(lin, scheme, False)
+    assert not portable.use_cpu_kernel and portable.compute_dtype == torch.float32
+    # the kernel path stores its scales in bf16, the portable one in fp32: equal up to that
+    torch.testing.assert_close(kernel.dequantized_weight(), portable.dequantized_weight(),
+                               rtol=2 ** -8, atol=2 ** -8 * lin.weight.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_keep_their_dtype(dtype):
+    # the kernels run in bf16 either way; the residual stream stays in the model's dtype
+    lin = linear(64, 64).to(dtype)
+    x = torch.randn(3, 64, dtype=dtype)
+    for scheme in SCHEMES:
+        q = quantized(lin, scheme)
+        assert q(x).dtype == dtype and q.state_dict()["weight"].dtype == dtype
+
+
+def test_int4_refuses_widths_the_groups_do_not_divide():
+    with pytest.raises(ValueError, match="multiple of the group size 32"):
+        Int4Linear(linear(16, 48))
+    with pytest.raises(ValueError, match="group size must be one of"):
+        Int4Linear(linear(16, 64), group_size=16)
+
+
+def test_quantized_weights_read_fewer_bytes():
+    lin = linear(768, 768)
+    fp32 = lin.weight.nbytes
+    assert Int8Linear(lin).weight_nbytes() == fp32 // 4 + 768 * 2  # int8 + a bf16 scale per row
+    # int4: half a byte per weight, plus a bf16 scale and zero per group of 32
+    assert Int4Linear(lin).weight_nbytes() == fp32 // 8 + 768 * (768 // 32) * 2 * 2
+
+
+# ---------------------------------------------------------------------------- the model
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantize_model_replaces_every_linear_and_keeps_the_tie(scheme):
+    config = TINY_CONFIGS[0]
+    model = quantize_model(tiny_model(config), scheme)
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    n_linears = 4 * config.n_layer + 1
+    assert sum(isinstance(m, QuantizedLinear) for m in model.modules()) == n_linears
+    assert isinstance(model.lm_head, QuantizedLinear)
+    # the embedding lookup reads the exact table; the KV cache takes the model's dtype from it
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.new_cache(1).kv.dtype == torch.float32
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_state_dict_reads_like_the_fp32_model(scheme):
+    # names and shapes unchanged: checkpoints, export_hf.py and a plain GPT twin all work
+    config = TINY_CONFIGS[0]
+    fp32 = tiny_model(config)
+    model = quantize_model(copy.deepcopy(fp32), scheme)
+    state, ref = model.state_dict(), fp32.state_dict()
+    assert list(state) == list(ref) and all(state[k].shape == ref[k].shape for k in ref)
+    assert torch.equal(state["transformer.wte.weight"], ref["transformer.wte.weight"])
+    c_fc = model.transformer.h[0].mlp.c_fc
+    assert torch.equal(state["transformer.h.0.mlp.c_fc.weight"], c_fc.dequantized_weight())
+    twin = GPT(config)
+    twin.load_state_dict(state, strict=True)  # the block weights it gets are the quantized ones
+    block = model.transformer.h[0]
+    x = torch.randn(1, 12, config.n_embd)
+    with torch.no_grad():  # only bf16 arithmetic separates them (the bound of the module tests)
+        torch.testing.assert_close(twin.transformer.h[0](x), block(x), atol=0.01, rtol=0.01)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_loading_a_state_dict_quantizes_it(scheme):
+    config = TINY_CONFIGS[0]
+    source = tiny_model(config, seed=1)
+    model = quantize_model(tiny_model(config, seed=2), scheme)
+    model.load_state_dict(source.state_dict(), strict=True)
+    expected = quantize_model(source, scheme)
+    for (name, a), (_, b) in zip(model.named_buffers(), expected.named_buffers()):
+        assert torch.equal(a, b), name
+    with pytest.raises(RuntimeError, match="Missing key"):
+        model.load_state_dict({k: v for k, v in source.state_dict().items()
+                               if k != "transformer.h.0.attn.c_attn.weight"})
+
+
+def test_a_refused_scheme_leaves_the_model_unchanged():
+    model = tiny_model(TINY_CONFIGS[1])  # n_embd 48: not a multiple of int4's groups of 32
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        quantize_model(model, "int4")
+    assert all(type(m) is not Int4Linear for m in model.modules())
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_greedy_cached_equals_naive_when_quantized(scheme, config):
+    # both loops run the quantized model; as in test_parity.py for fp32, their greedy
+    # tokens agree (measured: 120 of 120 on every config and seed tried)
+    if scheme == "int4" and config.n_embd % 32:
+        pytest.skip("int4 needs n_embd to be a multiple of 32")
+    model = quantize_model(tiny_model(config), scheme)
+    prompt = torch.tensor([[1, 2, 3]])
+    cached = model.generate(prompt, 120, temperature=0)
+    assert torch.equal(GPT.generate(model, prompt, 120, temperature=0), cached)
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load_model(KVCacheGPT, BUNDLED, report=lambda _: None)
+
+
+@pytest.mark.parametrize("scheme,at_least", [("int8", 200), ("int4", 13)])
+def test_bundled_model_greedy_agrees_with_fp32(bundled, scheme, at_least):
+    # Measured on the bundled model (README): int8 keeps all 200 greedy tokens of fp32 from
+    # this prompt, int4 (groups of 32) the first 26. One different token sends greedy
+    # decoding down another path, and where that happens depends on near-ties that the
+    # CPU's bf16 arithmetic can break either way: int4's margin is halved.
+    model, tok = bundled
+    prompt = torch.tensor([tok.encode_ordinary("ROMEO:\n")])
+    fp32 = model.generate(prompt, 200, temperature=0, vocab_limit=tok.n_vocab)
+    quant = quantize_model(copy.deepcopy(model), scheme).generate(
+        prompt, 200, temperature=0, vocab_limit=tok.n_vocab)
+    same = (fp32 == quant)[0, prompt.size(1):].long()
+    assert same.cumprod(0).sum() >= at_least
+
+
+# ---------------------------------------------------------------------------- the flag
+
+def test_flag_end_to_end_in_both_loops(bundled):
+    model, tok = bundled
+    prompt = torch.tensor([tok.encode_ordinary("ROMEO:")])
+    fp32 = tok.decode(model.generate(prompt, 30, temperature=0, vocab_limit=tok.n_vocab)[0].tolist())
+    args = ("--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "30", "--ignore-eot")
+    int8 = generate(*args, "--quantize", "int8").stdout
+    assert int8 == fp32 + "\n"  # int8 keeps fp32's greedy tokens (the test above)
+    assert generate(*args, "--quantize", "int8", "--no-cache").stdout == int8
+    int4 = generate(*args, "--quantize", "int4", "--group-size", "64", "--dtype", "bfloat16").stdout
+    assert int4.startswith("ROMEO:") and len(int4) > 60
+
+
+def test_score_with_quantize(bundled, tmp_path):
+    path = tmp_path / "snippet.txt"
+    path.write_text("MACBETH:\nIs this a dagger which I see before me,\n"
+                    "The handle toward my hand? Come, let me clutch thee.\n", encoding="utf-8")
+    fp32 = score(*bundled, path.read_text(encoding="utf-8"), torch.device("cpu"))
+    int8 = json.loads(generate("--score", str(path), "--json", "--quantize", "int8").stdout)
+    assert abs(int8["bits_per_char"] - fp32["bits_per_char"]) < 0.05
+
+
+def test_flag_errors_are_one_line(tmp_path):
+    path = tmp_path / "narrow.pt"  # n_embd 48: int4's groups of 32 do not divide it
+    save_checkpoint(path, tiny_model(TINY_CONFIGS[1]), byte_tokenizer_spec())
+    proc = run_cli("--ckpt", str(path), "--quantize", "int4", "--prompt", "a", ckpt=False)
+    assert proc.returncode == 2 and "--quantize int4" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 2  # the "loaded" line, then the error
+    for bad in (("--quantize", "int3"), ("--quantize", "int8", "--group-size", "64")):
+        proc = run_cli(*bad)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, bad
