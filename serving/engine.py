@@ -262,4 +262,6 @@ class Engine:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "blocks_total": self.pool.num_blocks, "blocks_free": len(self.pool.free),
                 "blocks_peak": self.peak_blocks, "tokens_per_block": self.pool.tokens_per_block,
-                "preemptions": self.scheduler.preemptions, "steps": self.steps}
+                "preemptions": self.scheduler.preemptions, "steps": self.steps,
+                "prefilled_tokens": self.scheduler.prefilled_tokens,
+                "cached_tokens": self.scheduler.cached_tokens}

@@ -56,6 +56,7 @@ class Scheduler:
         self.waiting = deque()
         self.running = []        # in order of admission: the last is preempted first
         self.preemptions = 0
+        self.prefilled_tokens = self.cached_tokens = 0  # context tokens computed / found cached
 
     def add(self, seq):
         self.waiting.append(seq)
@@ -85,6 +86,8 @@ class Scheduler:
             if allocated is None:
                 break
             seq.blocks, seq.hashes, seq.num_cached = allocated
+            self.cached_tokens += seq.context_len - new
+            self.prefilled_tokens += new
             width = max(width, new)
             self.waiting.popleft()
             seq.state = RUNNING
