@@ -170,7 +170,8 @@ def parse_completion(body, tokenizer, context, model_name):
     n = number(body, "n", 1, 1, MAX_N, integer=True)
     # sample i of n draws from seed + i: n different texts, each reproducible
     samples = [SamplingParams(**base, seed=None if seed is None else seed + i) for i in range(n)]
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    options = {} if options is None else options
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options", "invalid_type")
     return prompts, samples, flag(body, "stream"), flag(options, "include_usage")
