@@ -142,8 +142,13 @@ class Engine:
         return True
 
     def forward(self, batch):
-        """Feed every sequence its tokens not yet cached, in one pass; logits (B, V) of
-        each one's last token.
+        """Logits (B, V) of each sequence's last token, feeding every sequence its tokens
+        not yet cached, in one pass."""
+        tokens, cache = self.prepare(batch)
+        return self.model(tokens, cache, last_only=True)[0][:, -1]
+
+    def prepare(self, batch):
+        """The pass's input tokens (B, T) and its PagedCache.
 
         Rows are right-aligned (kv_cache.left_pad's layout): S columns, the longest
         context; row b starts at column pad[b], so column c holds its position c - pad[b];
@@ -155,19 +160,17 @@ class Engine:
         lengths = torch.tensor([s.context_len for s in batch])
         pad = S - lengths                                                  # (B,)
         positions = torch.arange(S) - pad[:, None]                         # (B, S)
-        real = positions >= 0
         table = torch.tensor([s.blocks + [NULL_BLOCK] * (-(-S // tpb) - len(s.blocks))
                               for s in batch])                             # (B, blocks)
         at = positions.clamp(min=0)
-        slots = torch.where(real, table.gather(1, at // tpb) * tpb + at % tpb, NULL_BLOCK)
+        slots = torch.where(positions >= 0, table.gather(1, at // tpb) * tpb + at % tpb, NULL_BLOCK)
         cached = torch.tensor([s.num_cached for s in batch])
         write = torch.where(positions[:, S - T:] >= cached[:, None], slots[:, S - T:], NULL_BLOCK)
         tokens = [[0] * max(0, T - s.context_len) + s.context[-T:] for s in batch]
         cache = PagedCache(self.pool, slots.flatten().to(self.device),
                            write.flatten().to(self.device),
                            pad.to(self.device) if pad.any() else None, length=S - T)
-        tokens = torch.tensor(tokens, device=self.device)                  # (B, T)
-        return self.model(tokens, cache, last_only=True)[0][:, -1]
+        return torch.tensor(tokens, device=self.device), cache
 
     def index_full_blocks(self, seq):
         """Blocks that filled up while decoding join the prefix index, so later requests
