@@ -166,7 +166,8 @@ class Engine:
         slots = torch.where(positions >= 0, table.gather(1, at // tpb) * tpb + at % tpb, NULL_BLOCK)
         cached = torch.tensor([s.num_cached for s in batch])
         write = torch.where(positions[:, S - T:] >= cached[:, None], slots[:, S - T:], NULL_BLOCK)
-        tokens = [[0] * max(0, T - s.context_len) + s.context[-T:] for s in batch]
+        tokens = [[0] * max(0, T - s.context_len) + s.tokens[max(s.start, len(s.tokens) - T):]
+                  for s in batch]
         cache = PagedCache(self.pool, slots.flatten().to(self.device),
                            write.flatten().to(self.device),
                            pad.to(self.device) if pad.any() else None, length=S - T)
@@ -178,7 +179,8 @@ class Engine:
         tpb = self.pool.tokens_per_block
         while len(seq.hashes) < seq.num_cached // tpb:
             i = len(seq.hashes)
-            h = self.pool.block_hashes(seq.context[i * tpb:(i + 1) * tpb],
+            first = seq.start + i * tpb
+            h = self.pool.block_hashes(seq.tokens[first:first + tpb],
                                        seq.hashes[-1] if seq.hashes else b"")[0]
             self.pool.index(seq.blocks[i], h)
             seq.hashes.append(h)
