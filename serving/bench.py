@@ -134,7 +134,8 @@ def run_continuous(engine, requests):
     finally:
         engine.stop()
     records = [(r.arrival_time, r.token_times) for r in submitted]
-    return summary(records, t0, engine.peak_blocks * engine.pool.block_bytes())
+    return {**summary(records, t0, engine.peak_blocks * engine.pool.block_bytes()),
+            "preemptions": engine.scheduler.preemptions}
 
 
 def run_http(engine, requests):
@@ -182,6 +183,7 @@ def run_http(engine, requests):
                      engine.peak_blocks * engine.pool.block_bytes())
     tokens = sum(n for _, _, n in ok)  # events can merge tokens (held-back text): count tokens
     result.update(output_tokens=tokens, tok_s=tokens / result["seconds"], errors=len(errors),
+                  preemptions=engine.scheduler.preemptions,
                   first_error=repr(errors[0]) if errors else None,
                   leaked_blocks=health["blocks_total"] - health["blocks_free"])
     return result
@@ -231,14 +233,16 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
     """One decode step of `batch` sequences of `context` tokens: the paged step, the part
     of it that is the gather (every layer's index_select), and the same step on a dense
     preallocated KVCache (KVCacheGPT's own batch decode, no gather)."""
-    engine = new_engine(model, tokenizer, args)
+    tpb = args.tokens_per_block
+    engine = Engine(model, tokenizer, num_blocks=batch * -(-(context + 1) // tpb) + 1,
+                    tokens_per_block=tpb, max_batch=batch)  # room for all: no preemption
     g = torch.Generator().manual_seed(args.seed + 2)
     prompts = [torch.randint(tokenizer.n_vocab, (context,), generator=g).tolist()
                for _ in range(batch)]
     for p in prompts:
-        engine.add_request(p, SamplingParams(max_tokens=10**6, temperature=0, stop_at_eot=False))
-    while len(engine.scheduler.running) < batch or engine.scheduler.waiting:
-        engine.step()
+        engine.add_request(p, SamplingParams(max_tokens=2, temperature=0, stop_at_eot=False))
+    while len(engine.scheduler.running) < batch:
+        engine.step()  # prefill steps: admission comes first
     seqs = engine.scheduler.decode()
     tokens, cache = engine.prepare(seqs)
     kv, slots = engine.pool.kv, cache.read_slots
@@ -291,7 +295,9 @@ def print_report(r):
         print(f"http: {h['errors']} errors, {h['leaked_blocks']} blocks not returned"
               + (f" (first error: {h['first_error']})" if h["errors"] else ""))
     print(f"(all at full context: {r['running_peak']} requests x {r['block_size']} positions = "
-          f"{r['full_context_kv_bytes'] / 2**20:.1f} MiB)")
+          f"{r['full_context_kv_bytes'] / 2**20:.1f} MiB; the engine's pool: {r['pool_bytes'] / 2**20:.1f} MiB, "
+          + ", ".join(f"{m} {r['modes'][m]['preemptions']} preemptions"
+                      for m in ("continuous", "http") if m in r["modes"]) + ")")
     if "prefix" in r:
         p = r["prefix"]
         print(f"\nprefix cache: time to first token of a {p['prefix_tokens']}+{p['suffix_tokens']}-token "
@@ -390,6 +396,7 @@ def main():
                       "max_batch": args.max_batch, "seed": args.seed},
          "running_peak": running_peak, "full_context_kv_bytes": running_peak * block_size * per_token,
          "modes": {}}
+    r["pool_bytes"] = new_engine(model, tokenizer, args).pool.nbytes()
     timed_stream(model, [requests[0][1]], [2])  # warm-up
     for mode in modes:
         print(f"running {mode}...", flush=True)
