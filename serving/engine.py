@@ -1,0 +1,272 @@
+"""
+The engine: requests in, tokens out, many requests at once on one model.
+
+    engine = Engine(model, tokenizer)
+    request = engine.add_request(prompt_ids, SamplingParams(max_tokens=50), on_output)
+    engine.start()          # the step loop in a background thread (or call engine.step())
+
+Every step asks the scheduler (scheduler.py) which sequences run, feeds them through the
+unchanged KVCacheGPT.forward with a PagedCache (paged_cache.py) as their cache, samples one
+token per sequence with its own settings, and hands each request its new text. The HTTP
+server (server.py) and the benchmark (bench.py) are two callers of this one loop.
+"""
+
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from sample import check_sampling_args, sample
+from serving.paged_cache import NULL_BLOCK, BlockPool, PagedCache
+from serving.scheduler import FINISHED, Scheduler, Sequence
+from text_stream import SampleText
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = None
+    top_p: float = None
+    seed: int = None          # its own torch.Generator: the same seed, the same text
+    stop: tuple = ()          # strings that end the text (not included in it)
+    stop_at_eot: bool = True  # False: run to max_tokens (benchmarks)
+
+    def check(self):
+        check_sampling_args(self.temperature, self.top_k, self.top_p)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("a stop string must not be empty")
+
+
+@dataclass
+class Output:
+    """What one step gave a request: the new text (held back while it may still become a
+    stop string or half a character), the token, and why it ended, when it did: "stop"
+    (end of text or a stop string), "length" (max_tokens), "cancelled", "error"."""
+    text: str
+    token: int = None
+    finish_reason: str = None
+
+
+class Request(Sequence):
+    """A sequence plus what the caller asked for and what it has been given."""
+
+    def __init__(self, prompt, params, on_output, tokenizer, device):
+        super().__init__(prompt)
+        self.params, self.on_output = params, on_output
+        self.text = SampleText(tokenizer, list(params.stop), params.stop_at_eot)
+        self.shown = 0  # characters of text handed out
+        self.generator = (None if params.seed is None else
+                          torch.Generator(device=device).manual_seed(params.seed))
+        self.finish_reason, self.error = None, None
+        self.arrival_time = time.perf_counter()
+        self.token_times = []  # when each token was handed out (for the benchmark)
+
+    @property
+    def num_generated(self):
+        return len(self.tokens) - self.prompt_len
+
+
+class Engine:
+    def __init__(self, model, tokenizer, num_blocks=None, tokens_per_block=16, max_batch=64,
+                 max_prefill_tokens=2048):
+        """num_blocks: the pool's size; by default half of what max_batch requests would
+        hold preallocated to the full context (the scheduler preempts when it runs out)."""
+        self.model, self.tokenizer = model, tokenizer
+        config, weight = model.config, model.lm_head.weight
+        self.device = weight.device
+        if num_blocks is None:
+            num_blocks = max(max_batch * config.block_size // (2 * tokens_per_block),
+                             -(-config.block_size // tokens_per_block))
+        self.pool = BlockPool(config, num_blocks, tokens_per_block, self.device, weight.dtype)
+        self.scheduler = Scheduler(self.pool, config.block_size, max_batch, max_prefill_tokens)
+        self.inbox, self.cancelled = deque(), deque()  # from other threads (deque is thread-safe)
+        self.wakeup = threading.Condition()
+        self.thread, self.stopping = None, False
+        self.peak_blocks, self.steps = 0, 0
+
+    # ------------------------------------------------------------------ the caller's side
+    # (any thread)
+
+    def add_request(self, prompt, params, on_output=lambda request, output: None):
+        """Queue a prompt (token ids); on_output(request, Output) is called from the
+        engine's thread for every token, the last one with a finish_reason."""
+        params.check()
+        if not 1 <= len(prompt) <= self.model.config.block_size:
+            raise ValueError(f"a prompt must have 1 to {self.model.config.block_size} tokens "
+                             f"(the model's context), got {len(prompt)}")
+        request = Request(prompt, params, on_output, self.tokenizer, self.device)
+        self.inbox.append(request)
+        self.notify()
+        return request
+
+    def cancel(self, request):
+        """Stop a request (its client went away): its blocks are freed at the next step."""
+        self.cancelled.append(request)
+        self.notify()
+
+    def notify(self):
+        with self.wakeup:
+            self.wakeup.notify()
+
+    def has_work(self):
+        return bool(self.inbox or self.cancelled or self.scheduler.has_work())
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def step(self):
+        """Admit or decode once; returns False when there was nothing to do."""
+        while self.inbox:
+            self.scheduler.add(self.inbox.popleft())
+        while self.cancelled:
+            self.finish(self.cancelled.popleft(), "cancelled")
+        batch = self.scheduler.schedule()
+        if not batch:
+            return False
+        self.peak_blocks = max(self.peak_blocks, self.pool.num_used())
+        logits = self.forward(batch)
+        for seq in batch:
+            seq.num_cached = seq.context_len
+            self.index_full_blocks(seq)
+        tokens = self.sample(logits, batch).tolist()
+        for request, token in zip(batch, tokens):
+            self.emit(request, token)
+        self.steps += 1
+        return True
+
+    def forward(self, batch):
+        """Logits (B, V) of each sequence's last token, feeding every sequence its tokens
+        not yet cached, in one pass."""
+        tokens, cache = self.prepare(batch)
+        return self.model(tokens, cache, last_only=True)[0][:, -1]
+
+    def prepare(self, batch):
+        """The pass's input tokens (B, T) and its PagedCache.
+
+        Rows are right-aligned (kv_cache.left_pad's layout): S columns, the longest
+        context; row b starts at column pad[b], so column c holds its position c - pad[b];
+        the last T columns are fed, T = the most uncached tokens of any row. A row with
+        fewer feeds some cached tokens again; their writes go to the null block."""
+        tpb = self.pool.tokens_per_block
+        feed = [s.context_len - min(s.num_cached, s.context_len - 1) for s in batch]
+        T, S = max(feed), max(s.context_len for s in batch)
+        lengths = torch.tensor([s.context_len for s in batch])
+        pad = S - lengths                                                  # (B,)
+        positions = torch.arange(S) - pad[:, None]                         # (B, S)
+        table = torch.tensor([s.blocks + [NULL_BLOCK] * (-(-S // tpb) - len(s.blocks))
+                              for s in batch])                             # (B, blocks)
+        at = positions.clamp(min=0)
+        slots = torch.where(positions >= 0, table.gather(1, at // tpb) * tpb + at % tpb, NULL_BLOCK)
+        cached = torch.tensor([s.num_cached for s in batch])
+        write = torch.where(positions[:, S - T:] >= cached[:, None], slots[:, S - T:], NULL_BLOCK)
+        tokens = [[0] * max(0, T - s.context_len) + s.tokens[max(s.start, len(s.tokens) - T):]
+                  for s in batch]
+        cache = PagedCache(self.pool, slots.flatten().to(self.device),
+                           write.flatten().to(self.device),
+                           pad.to(self.device) if pad.any() else None, length=S - T)
+        return torch.tensor(tokens, device=self.device), cache
+
+    def index_full_blocks(self, seq):
+        """Blocks that filled up while decoding join the prefix index, so later requests
+        (a conversation sent again with one more turn) can share generated text too."""
+        tpb = self.pool.tokens_per_block
+        while len(seq.hashes) < seq.num_cached // tpb:
+            i = len(seq.hashes)
+            first = seq.start + i * tpb
+            h = self.pool.block_hashes(seq.tokens[first:first + tpb],
+                                       seq.hashes[-1] if seq.hashes else b"")[0]
+            self.pool.index(seq.blocks[i], h)
+            seq.hashes.append(h)
+
+    def sample(self, logits, batch):
+        """One token per row, (B,): rows with the same settings and no seed of their own
+        are drawn together; a seeded request draws from its own generator."""
+        groups = {}
+        for row, r in enumerate(batch):
+            p = r.params
+            key = (p.temperature, p.top_k, p.top_p, id(r.generator) if r.generator else None)
+            groups.setdefault(key, (r.generator, []))[1].append(row)
+        logits = logits[:, :self.tokenizer.n_vocab]  # padding rows of the embedding table
+        tokens = torch.empty(len(batch), dtype=torch.long, device=logits.device)
+        for (temperature, top_k, top_p, _), (generator, rows) in groups.items():
+            rows = torch.tensor(rows, device=logits.device)
+            tokens[rows] = sample(logits[rows], temperature, top_k, top_p, generator)[:, 0]
+        return tokens
+
+    def emit(self, request, token):
+        """Append the token, hand out the text that is ready, retire the request if done."""
+        request.tokens.append(token)
+        request.text.add(token)
+        reason = ("stop" if request.text.done else
+                  "length" if request.num_generated >= request.params.max_tokens else None)
+        request.text.done = reason is not None  # at the end, nothing is held back
+        self.deliver(request, token, reason)
+
+    def finish(self, request, reason):
+        """Retire a request that did not end by itself (cancelled, or a failed step)."""
+        if request.state != FINISHED:
+            self.deliver(request, None, reason)
+
+    def deliver(self, request, token, reason):
+        end = request.text.ready()
+        output = Output(request.text.text[request.shown:end], token, reason)
+        request.shown = end
+        request.token_times.append(time.perf_counter())
+        if reason is not None:
+            request.finish_reason = reason
+            self.scheduler.finish(request)
+        try:
+            request.on_output(request, output)
+        except Exception:  # a caller's bug must not stop every other request
+            traceback.print_exc()
+
+    # ------------------------------------------------------------------ running it
+
+    def run_until_done(self):
+        """Step until every request has finished (tests and benchmarks, no thread)."""
+        while self.has_work():
+            self.step()
+
+    def start(self):
+        self.thread = threading.Thread(target=self.loop, name="engine", daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.stopping = True
+        self.notify()
+        if self.thread is not None:
+            self.thread.join()
+
+    def loop(self):
+        while not self.stopping:
+            with self.wakeup:
+                while not self.stopping and not self.has_work():
+                    self.wakeup.wait()
+            try:
+                self.step()
+            except Exception as e:  # keep serving: fail what was in flight, free everything
+                traceback.print_exc()
+                self.abort_all(f"{type(e).__name__}: {e}")
+
+    def abort_all(self, message):
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            request.error = message
+            self.finish(request, "error")
+        self.pool.forget_prefixes()
+        print(f"engine: step failed, {message}; every request in flight was ended",
+              file=sys.stderr)
+
+    def stats(self):
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "blocks_total": self.pool.num_blocks, "blocks_free": len(self.pool.free),
+                "blocks_peak": self.peak_blocks, "tokens_per_block": self.pool.tokens_per_block,
+                "preemptions": self.scheduler.preemptions, "steps": self.steps,
+                "prefilled_tokens": self.scheduler.prefilled_tokens,
+                "cached_tokens": self.scheduler.cached_tokens}

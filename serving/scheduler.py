@@ -1,0 +1,148 @@
+"""
+Continuous batching: which sequences run in the next forward pass.
+
+A static batch starts together and ends when its longest member ends; a row that is done
+early idles, and a request that arrives meanwhile waits for the whole batch. Here the
+batch is rebuilt at every step (Orca's iteration-level scheduling; vLLM's and nano-vllm's
+scheduler follow it):
+
+    step:  admit   waiting requests while the pool has blocks for them: one prefill pass
+                   over their prompts (only the tokens no cached block holds)
+           or else decode  one token for every running sequence, in one pass; a sequence
+                   entering a new block takes one from the free list; if there is none,
+                   the newest sequence is preempted: its blocks are freed and it waits
+                   at the front of the queue to be recomputed from its tokens
+           retire  (the engine) finished sequences give their blocks back at once
+
+    waiting: [E][F]  --admit-->  running: [A][B][C][D]  --finish-->  blocks to the pool
+                ^                                  |
+                +----------- preempt (newest) -----+    also: past block_size, re-prefill
+
+Prefill and decode never share a pass: rows are right-aligned to the longest row's new
+tokens, so one 200-token prompt in a decode batch would make every row pay for 200 columns.
+"""
+
+from collections import deque
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+class Sequence:
+    """A sequence's tokens and its place in the pool. tokens[start:] is its context (start
+    moves past block_size); its first num_cached context tokens have keys and values in
+    `blocks`; the rest (one token while decoding) are fed by the next pass that runs it."""
+
+    def __init__(self, prompt):
+        self.tokens = list(prompt)
+        self.prompt_len = len(self.tokens)
+        self.start = 0
+        self.blocks, self.hashes = [], []  # hashes: prefix hash of every full block
+        self.num_cached = 0
+        self.state = WAITING
+
+    @property
+    def context(self):
+        return self.tokens[self.start:]
+
+    @property
+    def context_len(self):
+        return len(self.tokens) - self.start
+
+
+class Scheduler:
+    def __init__(self, pool, block_size, max_batch=64, max_prefill_tokens=2048):
+        self.pool, self.block_size = pool, block_size
+        self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
+        self.waiting = deque()
+        self.running = []        # in order of admission: the last is preempted first
+        self.preemptions = 0
+        self.prefilled_tokens = self.cached_tokens = 0  # context tokens computed / found cached
+
+    def add(self, seq):
+        self.waiting.append(seq)
+
+    def has_work(self):
+        return bool(self.waiting or self.running)
+
+    def schedule(self):
+        """The sequences of the next pass: newly admitted ones (a prefill pass) or every
+        running one (a decode pass); [] when there is nothing to do."""
+        for seq in [s for s in self.running if s.context_len > self.block_size]:
+            self.refill(seq)
+        return self.admit() or self.decode()
+
+    def admit(self):
+        """Take waiting sequences, oldest first, while the pool has blocks for them, there
+        is room in the batch, and the padded prefill (rows x longest new part) stays within
+        max_prefill_tokens (the first one is always taken, however long)."""
+        batch, width = [], 0
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            hit = len(self.pool.cached_blocks(self.pool.block_hashes(seq.context)))
+            new = seq.context_len - min(hit * self.pool.tokens_per_block, seq.context_len - 1)
+            if batch and (len(batch) + 1) * max(width, new) > self.max_prefill_tokens:
+                break
+            allocated = self.pool.allocate(seq.context)
+            if allocated is None:
+                break
+            seq.blocks, seq.hashes, seq.num_cached = allocated
+            self.cached_tokens += seq.context_len - new
+            self.prefilled_tokens += new
+            width = max(width, new)
+            self.waiting.popleft()
+            seq.state = RUNNING
+            self.running.append(seq)
+            batch.append(seq)
+        return batch
+
+    def decode(self):
+        """Every running sequence, each with a slot for its next token; when the pool is
+        full, the newest sequences are preempted until the older ones fit."""
+        batch = []
+        for seq in list(self.running):
+            while seq.state == RUNNING and not self.has_slot(seq):
+                self.preempt(self.running[-1])
+            if seq.state == RUNNING:
+                batch.append(seq)
+        return batch
+
+    def has_slot(self, seq):
+        """Make sure the block for seq's next position exists (taking one if needed)."""
+        if seq.num_cached < len(seq.blocks) * self.pool.tokens_per_block:
+            return True
+        if not self.pool.free:
+            return False
+        seq.blocks.append(self.pool.take_free())
+        return True
+
+    def preempt(self, seq):
+        """Free seq's blocks; it waits at the front of the queue and is recomputed from its
+        tokens when there is room again (recomputing is cheaper than swapping to other
+        memory here: a prefill pass is fast, and its full blocks may still be cached)."""
+        self.drop(seq)
+        seq.state = WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def refill(self, seq):
+        """Past block_size: kv_cache.KVCacheGPT.make_room's policy. The sequence keeps its
+        newest block_size // 2 tokens, which are prefilled again at positions 0.. (learned
+        positions end at block_size, and cached keys cannot move to new positions)."""
+        keep = max(1, self.block_size // 2)
+        self.drop(seq)
+        seq.start = len(seq.tokens) - keep
+        seq.state = WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq):
+        """A sequence leaves (done, or cancelled) wherever it is; its blocks go back."""
+        if seq.state == WAITING:
+            self.waiting.remove(seq)
+        elif seq.state == RUNNING:
+            self.drop(seq)
+        seq.state = FINISHED
+
+    def drop(self, seq):
+        self.running.remove(seq)
+        self.pool.release(seq.blocks)
+        seq.blocks, seq.hashes, seq.num_cached = [], [], 0

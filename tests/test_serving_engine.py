@@ -1,0 +1,228 @@
+"""The serving engine (serving/): every request's tokens equal the same prompt generated
+alone by KVCacheGPT.stream, whatever runs beside it (different prompts, shared prefixes,
+preemption in a pool too small for the batch, re-prefill past block_size), and every
+block goes back to the pool.
+
+Token equality is exact: a row computes the same arithmetic as alone in differently
+shaped matmuls (~1e-6 apart, see test_batch.py), and greedy argmax flips only at
+near-ties, which these seeds lack."""
+
+import threading
+
+import pytest
+import torch
+
+from base_model import GPTConfig
+from checkpoint import tokenizer_from_spec
+from conftest import byte_tokenizer_spec, tiny_model
+from serving.engine import Engine, SamplingParams
+from serving.paged_cache import BlockPool
+
+CONFIG = GPTConfig(block_size=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
+TOKENIZER = tokenizer_from_spec(byte_tokenizer_spec(), "bytes")
+GREEDY = dict(temperature=0, stop_at_eot=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(CONFIG, seed=3)
+
+
+def random_prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(256, (n,), generator=g).tolist() for n in lengths]
+
+
+def alone(model, prompt, n, **kw):
+    """What KVCacheGPT.stream gives the prompt by itself."""
+    tokens = model.stream([prompt], n, vocab_limit=TOKENIZER.n_vocab, **kw)
+    return torch.cat(list(tokens), dim=1)[0].tolist()
+
+
+def run(engine, prompts, **params):
+    requests = [engine.add_request(p, SamplingParams(**params)) for p in prompts]
+    engine.run_until_done()
+    return [r.tokens[r.prompt_len:] for r in requests]
+
+
+def assert_pool_is_whole(engine):
+    pool = engine.pool
+    assert len(pool.free) == pool.num_blocks and not any(pool.ref_count)
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+@pytest.mark.parametrize("tokens_per_block", [1, 8, 16])
+def test_concurrent_prompts_equal_each_alone(model, tokens_per_block):
+    # lengths across block boundaries, one at the full context; 150 new tokens go past
+    # block_size (64), so every row also re-prefills, each at its own step
+    prompts = random_prompts([1, 5, 16, 17, 33, 64, 40])
+    engine = Engine(model, TOKENIZER, tokens_per_block=tokens_per_block, max_batch=4)
+    rows = run(engine, prompts, max_tokens=150, **GREEDY)
+    for prompt, row in zip(prompts, rows):
+        assert row == alone(model, prompt, 150, temperature=0)
+    assert_pool_is_whole(engine)
+
+
+def test_shared_prefixes_are_not_recomputed_and_change_nothing(model):
+    base = random_prompts([40], seed=1)[0]
+    prompts = [base[:33] + tail for tail in random_prompts([1, 6, 20], seed=2)]
+    prompts += [base[:32], base]  # a prompt that is only whole cached blocks; the whole base
+    engine = Engine(model, TOKENIZER, tokens_per_block=8)
+    first = run(engine, [base], max_tokens=10, **GREEDY)  # fills the prefix index
+    rows = run(engine, prompts, max_tokens=10, **GREEDY)
+    # 4 full blocks (32 tokens) of base are found by each later prompt; a prompt found
+    # whole (base[:32], and base: its 5th block is full too) feeds its last token again,
+    # for its logits
+    assert engine.scheduler.cached_tokens == 32 * 3 + 31 + 39
+    for prompt, row in zip(prompts, rows):
+        assert row == alone(model, prompt, 10, temperature=0)
+    assert rows[-1] == first[0]
+    assert_pool_is_whole(engine)
+
+
+def test_samples_of_one_prompt_admitted_together_share_its_blocks(model):
+    prompt = random_prompts([48], seed=3)[0]
+    engine = Engine(model, TOKENIZER, tokens_per_block=8)
+    rows = run(engine, [prompt] * 4, max_tokens=5, **GREEDY)
+    assert rows == [alone(model, prompt, 5, temperature=0)] * 4
+    # 6 shared prompt blocks + one block each for the new tokens, not 4 x 7
+    assert engine.peak_blocks == 6 + 4
+    assert engine.scheduler.cached_tokens == 3 * 47
+
+
+def test_a_pool_too_small_for_the_batch_preempts_and_recomputes(model):
+    prompts = random_prompts([3, 30, 12, 50, 7, 25], seed=4)
+    engine = Engine(model, TOKENIZER, num_blocks=8, tokens_per_block=8, max_batch=6)
+    rows = run(engine, prompts, max_tokens=100, **GREEDY)
+    assert engine.scheduler.preemptions > 0
+    for prompt, row in zip(prompts, rows):
+        assert row == alone(model, prompt, 100, temperature=0)
+    assert engine.peak_blocks <= 8
+    assert_pool_is_whole(engine)
+
+
+def test_each_request_keeps_its_own_sampling_and_seed(model):
+    prompts = random_prompts([4, 9, 20], seed=5)
+    settings = [dict(temperature=0.9, top_k=20, seed=1), dict(temperature=1.3, top_p=0.8, seed=2),
+                dict(temperature=0)]
+    engine = Engine(model, TOKENIZER)
+    requests = [engine.add_request(p, SamplingParams(max_tokens=40, stop_at_eot=False, **s))
+                for p, s in zip(prompts, settings)]
+    engine.run_until_done()
+    for prompt, s, r in zip(prompts, settings, requests):
+        seed = s.pop("seed", None)
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        assert r.tokens[r.prompt_len:] == alone(model, prompt, 40, generator=generator, **s)
+
+
+def test_stop_strings_end_text_and_free_blocks(model):
+    engine = Engine(model, TOKENIZER, tokens_per_block=4)
+    prompt = random_prompts([10], seed=6)[0]
+    whole = engine.add_request(prompt, SamplingParams(max_tokens=40, **GREEDY))
+    engine.run_until_done()
+    text = whole.text.text
+    stop = text[len(text) // 2:len(text) // 2 + 2]  # two characters from the middle
+    outputs = []
+    request = engine.add_request(prompt, SamplingParams(max_tokens=40, stop=(stop,), **GREEDY),
+                                 lambda r, out: outputs.append(out))
+    engine.run_until_done()
+    assert request.finish_reason == "stop" and outputs[-1].finish_reason == "stop"
+    assert request.text.text == text[:text.index(stop)]
+    assert "".join(o.text for o in outputs) == request.text.text
+    assert_pool_is_whole(engine)
+
+
+def test_cancelled_requests_free_their_blocks(model):
+    engine = Engine(model, TOKENIZER, tokens_per_block=4)
+    requests = [engine.add_request(p, SamplingParams(max_tokens=50, **GREEDY))
+                for p in random_prompts([10, 30, 3], seed=7)]
+    for _ in range(5):
+        engine.step()
+    assert len(engine.pool.free) < engine.pool.num_blocks
+    for r in requests:
+        engine.cancel(r)
+    engine.step()
+    assert [r.finish_reason for r in requests] == ["cancelled"] * 3
+    assert_pool_is_whole(engine)
+
+
+def test_the_engine_thread_serves_other_threads(model):
+    engine = Engine(model, TOKENIZER)
+    engine.start()
+    try:
+        done = threading.Event()
+        finished = []
+
+        def on_output(request, output):
+            if output.finish_reason:
+                finished.append(request)
+                if len(finished) == 3:
+                    done.set()
+        prompts = random_prompts([5, 6, 7], seed=8)
+        for p in prompts:
+            engine.add_request(p, SamplingParams(max_tokens=10, **GREEDY), on_output)
+        assert done.wait(timeout=60)
+        for r in finished:
+            assert r.tokens[r.prompt_len:] == alone(model, r.tokens[:r.prompt_len], 10, temperature=0)
+    finally:
+        engine.stop()
+    assert_pool_is_whole(engine)
+
+
+def test_a_failed_step_ends_what_was_in_flight_and_the_engine_goes_on(model, monkeypatch):
+    engine = Engine(model, TOKENIZER)
+    engine.start()
+    try:
+        broken = threading.Event()
+        real_forward = engine.forward
+
+        def forward_once_broken(batch):
+            if not broken.is_set():
+                broken.set()
+                raise RuntimeError("out of memory (simulated)")
+            return real_forward(batch)
+        monkeypatch.setattr(engine, "forward", forward_once_broken)
+        ended = threading.Event()
+        first = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5, **GREEDY),
+                                   lambda r, out: out.finish_reason and ended.set())
+        assert ended.wait(timeout=60)
+        assert first.finish_reason == "error" and "simulated" in first.error
+        ended.clear()
+        second = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5, **GREEDY),
+                                    lambda r, out: out.finish_reason and ended.set())
+        assert ended.wait(timeout=60) and second.finish_reason == "length"
+    finally:
+        engine.stop()
+    assert_pool_is_whole(engine)
+
+
+def test_bad_requests_are_refused_before_they_queue(model):
+    engine = Engine(model, TOKENIZER)
+    with pytest.raises(ValueError, match="1 to 64 tokens"):
+        engine.add_request(list(range(65)), SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request([1], SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="top_p"):
+        engine.add_request([1], SamplingParams(top_p=0))
+    assert not engine.has_work()
+
+
+def test_prefix_hashes_cover_everything_before_a_block():
+    pool = BlockPool(CONFIG, num_blocks=16, tokens_per_block=4)
+    a = pool.block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    b = pool.block_hashes([0, 2, 3, 4, 5, 6, 7, 8])
+    assert len(a) == 2 and len(b) == 2  # the partial block has no hash
+    assert a[1] != b[1]  # same tokens 5..8, different block before them: not the same block
+    assert pool.block_hashes([1, 2, 3, 4, 5, 6, 7, 8]) == a
+
+
+def test_unused_cached_blocks_are_evicted_oldest_first():
+    pool = BlockPool(CONFIG, num_blocks=16, tokens_per_block=4)
+    first, _, _ = pool.allocate(list(range(64)))  # all 16 blocks
+    pool.release(first)
+    assert pool.allocate(list(range(64)))[2] == 64  # freed, but still cached: a full hit
+    pool.release(first)
+    fresh, _, cached = pool.allocate(list(range(100, 104)))
+    assert cached == 0 and fresh == [first[-1]]  # the last block, freed first, goes first
+    pool.release(fresh)
+    assert pool.allocate(list(range(64)))[2] == 60  # its 15 blocks before it still hit
