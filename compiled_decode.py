@@ -25,21 +25,23 @@ dropping them would change the batch size and so the graph.
 """
 
 import torch
+import torch.nn.functional as F
 
 
 class StaticStep:
-    """What attention sees as its cache inside the compiled step: it writes the new column
-    at a position held in a tensor and returns the whole buffer, so no shape depends on
-    how much has been cached."""
+    """What attention sees as its cache inside the compiled step (kv_cache.Cache's attend):
+    it writes the new column at a position held in a tensor and attends over the whole
+    buffer, so no shape depends on how much has been cached."""
 
     def __init__(self, kv, length):
         self.kv, self.length = kv, length  # (n_layer, 2, B, nh, max_len, hd); (1,) LongTensor
 
-    def update(self, layer, k, v):
+    def attend(self, layer, q, k, v, mask):
         # k, v: (B, nh, 1, hd), written at column `length` of this layer's buffer
         self.kv[layer, 0].index_copy_(2, self.length, k)
         self.kv[layer, 1].index_copy_(2, self.length, v)
-        return self.kv[layer, 0], self.kv[layer, 1]  # (B, nh, max_len, hd) each
+        # (B, nh, max_len, hd) each: every column, the unwritten ones masked
+        return F.scaled_dot_product_attention(q, self.kv[layer, 0], self.kv[layer, 1], attn_mask=mask)
 
 
 def decode_step(model, token, kv, length, pad):

@@ -35,7 +35,7 @@ from sample import check_sampling_args, sample
 #                                              left (batches of prompts of different lengths)
 #   cache.nbytes()                             bytes its tensors hold
 # and three moves on rows and columns that the generation loop needs (select_rows,
-# drop_columns, write_rows). The model calls update() and nothing else.
+# drop_columns, write_rows). Attention calls cache.attend(), which is update() then SDPA.
 
 class Cache:
     length = 0
@@ -43,6 +43,14 @@ class Cache:
 
     def update(self, layer, k, v):
         raise NotImplementedError
+
+    def attend(self, layer, q, k, v, mask):
+        """Attention of the new queries q over the cache and the new keys and values:
+        (B, nh, T, hd). The cache step, then SDPA over everything it returns. (A cache
+        that can read its keys where they lie, without assembling them, overrides this:
+        serving/paged_cache.py.)"""
+        k, v = self.update(layer, k, v)   # (B, nh, past_len + T, hd): the past, reused
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def nbytes(self):
         raise NotImplementedError
@@ -212,9 +220,8 @@ class CachedSelfAttention(CausalSelfAttention):
     def forward(self, x, cache=None, layer=None, mask=None):
         if cache is None:
             return super().forward(x)
-        q, k, v = self.qkv(x)              # (B, nh, T, hd) each, for the T new tokens
-        k, v = cache.update(layer, k, v)   # (B, nh, past_len + T, hd): the past, reused
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        q, k, v = self.qkv(x)                   # (B, nh, T, hd) each, for the T new tokens
+        y = cache.attend(layer, q, k, v, mask)  # cache.update(layer, k, v), then SDPA
         return self.project_out(y)
 
 

@@ -36,6 +36,9 @@ def parse_args():
                    help="positions per KV block (default: 16)")
     p.add_argument("--max-prefill-tokens", type=positive_int, default=2048,
                    help="most padded prompt tokens prefilled in one step (default: 2048)")
+    p.add_argument("--attention", choices=["kernel", "gather"], default="kernel",
+                   help="how decode steps read the paged cache: a kernel compiled with "
+                   "torch.compile at start-up (default), or a plain-PyTorch gather")
     args = p.parse_args()
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be in 0..65535, got {args.port}")
@@ -57,12 +60,15 @@ def main():
     try:
         engine = Engine(model, tokenizer, num_blocks=args.num_blocks,
                         tokens_per_block=args.tokens_per_block, max_batch=args.max_batch,
-                        max_prefill_tokens=args.max_prefill_tokens)
+                        max_prefill_tokens=args.max_prefill_tokens, attention=args.attention)
     except ValueError as e:
         raise UserError(f"--num-blocks: {e}") from None
     pool = engine.pool
     print(f"KV pool: {pool.num_blocks} blocks of {pool.tokens_per_block} positions, "
           f"{pool.nbytes() / 2**20:.1f} MiB", file=sys.stderr)
+    if args.attention == "kernel":
+        print("compiling the paged attention kernel (once)...", file=sys.stderr, flush=True)
+    engine.warm_up()
 
     def ready(port):
         print(f"serving {args.served_model_name} on http://{args.host}:{port}/v1 "

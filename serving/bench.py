@@ -111,8 +111,10 @@ def run_static(model, requests, batch, per_token):
 
 
 def new_engine(model, tokenizer, args):
-    return Engine(model, tokenizer, num_blocks=args.num_blocks,
-                  max_batch=args.max_batch, tokens_per_block=args.tokens_per_block)
+    engine = Engine(model, tokenizer, num_blocks=args.num_blocks, max_batch=args.max_batch,
+                    tokens_per_block=args.tokens_per_block, attention=args.attention)
+    engine.warm_up()  # compiles the paged kernel: not part of any measurement
+    return engine
 
 
 def run_continuous(engine, requests):
@@ -230,9 +232,11 @@ def prefix_hit_ttft(model, tokenizer, args, prefix_len=200, suffix_len=8, reps=3
 
 @torch.inference_mode()
 def gather_cost(model, tokenizer, args, batch, context, reps=5):
-    """One decode step of `batch` sequences of `context` tokens: the paged step, the part
-    of it that is the gather (every layer's index_select), and the same step on a dense
-    preallocated KVCache (KVCacheGPT's own batch decode, no gather)."""
+    """One decode step of `batch` sequences of `context` tokens, three ways: the paged step
+    reading the pool through the gather (every layer's index_select, then SDPA), the same
+    with the compiled paged kernel (paged_attention.py), and the step on a dense
+    preallocated KVCache (KVCacheGPT's own batch decode: nothing to find); and the gather
+    alone."""
     tpb = args.tokens_per_block
     engine = Engine(model, tokenizer, num_blocks=batch * -(-(context + 1) // tpb) + 1,
                     tokens_per_block=tpb, max_batch=batch)  # room for all: no preemption
@@ -245,10 +249,13 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
         engine.step()  # prefill steps: admission comes first
     seqs = engine.scheduler.decode()
     tokens, cache = engine.prepare(seqs)
-    kv, slots = engine.pool.kv, cache.read_slots
+    kv, slots = engine.pool.kv, cache.read_slots.flatten()
 
-    def paged():
-        engine.model(tokens, engine.prepare(seqs)[1], last_only=True)
+    def paged(kernel):
+        def step():
+            engine.attention_kernel = kernel
+            engine.model(tokens, engine.prepare(seqs)[1], last_only=True)
+        return step
 
     def gather():
         for layer in range(kv.size(0)):
@@ -267,7 +274,9 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
         for _ in range(reps):
             fn()
         return 1e3 * (time.perf_counter() - t0) / reps
-    result = {"batch": batch, "context": context, "paged_step_ms": ms(paged),
+    kernel = engine.attention_kernel
+    result = {"batch": batch, "context": context, "paged_step_ms": ms(paged(None)),
+              "kernel_step_ms": ms(paged(kernel)),
               "gather_ms": ms(gather), "dense_step_ms": ms(dense_step),
               "gathered_bytes": 2 * slots.numel() * kv[0, 0, 0].nbytes * kv.size(0)}
     result["gather_share"] = result["gather_ms"] / result["paged_step_ms"]
@@ -305,10 +314,10 @@ def print_report(r):
               f"{p['hit_ms']:.1f} ms ({p['hit_over_miss']:.2f}x)")
     if "gather" in r:
         g = r["gather"]
-        print(f"\ngather: a decode step of {g['batch']} sequences x {g['context']} tokens: paged "
-              f"{g['paged_step_ms']:.1f} ms, of which the gather {g['gather_ms']:.1f} ms "
+        print(f"\nreading the pages: a decode step of {g['batch']} sequences x {g['context']} tokens: "
+              f"gather + SDPA {g['paged_step_ms']:.1f} ms, of which the gather {g['gather_ms']:.1f} ms "
               f"({g['gather_share']:.0%}, {g['gathered_bytes'] / 2**20:.0f} MiB copied); "
-              f"dense KVCache step {g['dense_step_ms']:.1f} ms")
+              f"paged kernel {g['kernel_step_ms']:.1f} ms; dense KVCache step {g['dense_step_ms']:.1f} ms")
 
 
 def plot(r, path):
@@ -356,6 +365,8 @@ def main():
     p.add_argument("--num-blocks", type=positive_int, default=None, help="the engine's pool "
                    "(default: serve.py's, half of max-batch full contexts)")
     p.add_argument("--tokens-per-block", type=positive_int, default=16, help="default: 16")
+    p.add_argument("--attention", choices=["kernel", "gather"], default="kernel",
+                   help="how the engine's decode steps read the pool (default: kernel)")
     p.add_argument("--quick", action="store_true", help="16 requests, short lengths")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")

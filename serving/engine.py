@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from sample import check_sampling_args, sample
+from serving.paged_attention import compiled_decode_attention
 from serving.paged_cache import NULL_BLOCK, BlockPool, PagedCache
 from serving.scheduler import FINISHED, Scheduler, Sequence
 from text_stream import SampleText
@@ -75,10 +76,15 @@ class Request(Sequence):
 
 class Engine:
     def __init__(self, model, tokenizer, num_blocks=None, tokens_per_block=16, max_batch=64,
-                 max_prefill_tokens=2048):
+                 max_prefill_tokens=2048, attention="kernel"):
         """num_blocks: the pool's size; by default half of what max_batch requests would
-        hold preallocated to the full context (the scheduler preempts when it runs out)."""
+        hold preallocated to the full context (the scheduler preempts when it runs out).
+        attention: how decode steps read the pool, "kernel" (paged_attention.py, compiled
+        at the first decode step) or "gather" (plain PyTorch; paged_cache.py compares)."""
+        if attention not in ("kernel", "gather"):
+            raise ValueError(f"attention must be 'kernel' or 'gather', got {attention!r}")
         self.model, self.tokenizer = model, tokenizer
+        self.attention_kernel = compiled_decode_attention() if attention == "kernel" else None
         config, weight = model.config, model.lm_head.weight
         self.device = weight.device
         if num_blocks is None:
@@ -168,9 +174,9 @@ class Engine:
         write = torch.where(positions[:, S - T:] >= cached[:, None], slots[:, S - T:], NULL_BLOCK)
         tokens = [[0] * max(0, T - s.context_len) + s.tokens[max(s.start, len(s.tokens) - T):]
                   for s in batch]
-        cache = PagedCache(self.pool, slots.flatten().to(self.device),
-                           write.flatten().to(self.device),
-                           pad.to(self.device) if pad.any() else None, length=S - T)
+        cache = PagedCache(self.pool, slots.to(self.device), write.flatten().to(self.device),
+                           pad.to(self.device) if pad.any() else None, length=S - T,
+                           kernel=self.attention_kernel)
         return torch.tensor(tokens, device=self.device), cache
 
     def index_full_blocks(self, seq):
@@ -228,6 +234,15 @@ class Engine:
             traceback.print_exc()
 
     # ------------------------------------------------------------------ running it
+
+    def warm_up(self):
+        """Run two throwaway requests, alone and together, so that the paged kernel is
+        compiled (for one sequence, and for any other number) before real requests come."""
+        params = SamplingParams(max_tokens=2, temperature=0, stop_at_eot=False)
+        for batch in (1, 2):
+            for _ in range(batch):
+                self.add_request([0], params)
+            self.run_until_done()
 
     def run_until_done(self):
         """Step until every request has finished (tests and benchmarks, no thread)."""

@@ -163,27 +163,44 @@ class PagedCache(Cache):
     The batch is presented the way forward() already understands a batch of different
     prompts: S columns, each row right-aligned (left padding `pad`), the T new columns
     last. The engine computes, once per pass, which pool slot every column comes from
-    (read_slots, (B * S,)) and where every new column goes (write_slots, (B * T,): the null
-    block for padding and for columns already cached). update() writes the new keys and
-    values there, then gathers the batch's keys and values through the slots.
+    (read_slots, (B, S)) and where every new column goes (write_slots, (B * T,): the null
+    block for padding and for columns already cached). Attention first writes the new keys
+    and values there, then reads the batch's keys and values through the slots, in one of
+    two ways:
+      - gather (update(), then SDPA): copy every sequence's keys and values of the layer
+        into a dense (B, nh, S, hd) tensor, because SDPA wants one. Plain PyTorch, but each
+        pass copies the whole cache before attention reads it again;
+      - kernel (decode only, when the engine gives one): paged_attention.py's compiled
+        kernel reads each key where it lies, as vLLM's paged attention does.
+    serving/bench.py measures both against a dense KVCache."""
 
-    The gather is the price of paging in plain PyTorch: every pass copies every
-    sequence's keys and values of every layer into a dense (B, nh, S, hd) tensor, because
-    SDPA wants one. A paged attention kernel (vLLM's, FlashInfer's) reads the blocks where
-    they lie instead; serving/bench.py measures what the copy costs per step."""
-
-    def __init__(self, pool, read_slots, write_slots, pad, length):
+    def __init__(self, pool, read_slots, write_slots, pad, length, kernel=None):
         self.pool, self.read_slots, self.write_slots = pool, read_slots, write_slots
-        self.pad, self.length = pad, length
+        self.pad, self.length, self.kernel = pad, length, kernel
 
-    def update(self, layer, k, v):
+    def write(self, layer, k, v):
+        """Store the new columns k, v (B, nh, T, hd) in their slots; the layer's (2, slots, nh, hd)."""
         B, nh, T, hd = k.shape
-        kv = self.pool.kv[layer]                                           # (2, slots, nh, hd)
+        kv = self.pool.kv[layer]
         new = torch.stack((k, v)).transpose(2, 3).reshape(2, B * T, nh, hd)
         kv.index_copy_(1, self.write_slots, new)  # dropped writes may collide: all in the null block
-        S = self.read_slots.numel() // B
-        both = kv.index_select(1, self.read_slots).view(2, B, S, nh, hd).transpose(2, 3)
-        return both[0], both[1]                                            # (B, nh, S, hd) each
+        return kv
+
+    def update(self, layer, k, v):
+        kv = self.write(layer, k, v)
+        B, S = self.read_slots.shape
+        both = kv.index_select(1, self.read_slots.flatten()).view(2, B, S, *kv.shape[2:])
+        both = both.transpose(2, 3)                                        # (2, B, nh, S, hd)
+        return both[0], both[1]
+
+    def attend(self, layer, q, k, v, mask):
+        if self.kernel is None or q.size(2) > 1:
+            return super().attend(layer, q, k, v, mask)  # update() (the gather), then SDPA
+        kv = self.write(layer, k, v)
+        # mask is None (no row padded: every column visible) or (B, 1, 1, S)
+        visible = (torch.ones_like(self.read_slots, dtype=torch.bool) if mask is None
+                   else mask[:, 0, 0])
+        return self.kernel(q, kv[0], kv[1], self.read_slots, visible)
 
     def nbytes(self):
         return self.pool.nbytes()

@@ -51,12 +51,15 @@ def assert_pool_is_whole(engine):
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
-@pytest.mark.parametrize("tokens_per_block", [1, 8, 16])
-def test_concurrent_prompts_equal_each_alone(model, tokens_per_block):
+@pytest.mark.parametrize("tokens_per_block, attention", [(1, "kernel"), (8, "kernel"),
+                                                         (16, "kernel"), (8, "gather")])
+def test_concurrent_prompts_equal_each_alone(model, tokens_per_block, attention):
     # lengths across block boundaries, one at the full context; 150 new tokens go past
-    # block_size (64), so every row also re-prefills, each at its own step
+    # block_size (64), so every row also re-prefills, each at its own step. Both ways of
+    # reading the pages: the compiled paged kernel and the gather
     prompts = random_prompts([1, 5, 16, 17, 33, 64, 40])
-    engine = Engine(model, TOKENIZER, tokens_per_block=tokens_per_block, max_batch=4)
+    engine = Engine(model, TOKENIZER, tokens_per_block=tokens_per_block, max_batch=4,
+                    attention=attention)
     rows = run(engine, prompts, max_tokens=150, **GREEDY)
     for prompt, row in zip(prompts, rows):
         assert row == alone(model, prompt, 150, temperature=0)

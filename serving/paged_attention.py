@@ -1,0 +1,52 @@
+"""
+Attention that reads the paged cache where it lies: a paged attention kernel, written in
+a dozen lines of PyTorch and made into one by torch.compile.
+
+PagedCache.update gathers every sequence's keys and values into one dense tensor, because
+SDPA wants one: a decode step then copies the whole cache (a read and a write) before
+attention reads it again. On the bundled model at 64 sequences that copy is most of the
+step: its cache is several times the size of its weights. A paged kernel (vLLM's,
+FlashInfer's) reads each key through the block table instead. For one query per sequence
+the computation is a gather inside two reductions:
+
+    scores[b, s, h] = q[b, h] . k_pool[slots[b, s], h] / sqrt(hd)    (a sum over hd)
+    p[b, :, h]      = softmax over s of scores[b, :, h], hidden columns at -inf
+    out[b, h]       = sum over s of p[b, s, h] * v_pool[slots[b, s], h]
+
+Run eagerly, k_pool[slots] would build the gathered tensor anyway (slower than the
+index_select it replaces). torch.compile fuses the indexing into the loops that consume it:
+the C++ it generates loads each key and value straight from its block, once, and never
+writes a copy. dynamic=True: the batch and the context change every step, and one graph
+(for a batch of 1, one more: compile treats sizes 0 and 1 as constants) serves them all.
+
+Only decode (one new query per sequence) goes through it; a prefill's queries need the
+causal mask, and its matmuls dwarf the copy, so prefills keep the gather and SDPA.
+"""
+
+import torch
+
+
+def decode_attention(q, k_pool, v_pool, slots, visible):
+    """q (B, nh, 1, hd): each sequence's new query; k_pool, v_pool (pool slots, nh, hd):
+    one layer of the pool; slots (B, S): the pool slot of each column of each sequence;
+    visible (B, S): False where a column is padding. Returns (B, nh, 1, hd)."""
+    hd = q.size(-1)
+    q = q[:, :, 0].float()                                          # (B, nh, hd)
+    keys = k_pool[slots].float()                                    # (B, S, nh, hd), fused
+    scores = (q[:, None] * keys).sum(-1) / hd ** 0.5                # (B, S, nh)
+    scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
+    p = scores.softmax(dim=1)                                       # over the columns
+    values = v_pool[slots].float()                                  # (B, S, nh, hd), fused
+    out = (p[..., None] * values).sum(dim=1)                        # (B, nh, hd)
+    return out[:, :, None].to(v_pool.dtype)
+
+
+_compiled = None
+
+
+def compiled_decode_attention():
+    """decode_attention compiled once per process (the first call compiles: seconds)."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(decode_attention, dynamic=True, fullgraph=True)
+    return _compiled
