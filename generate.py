@@ -17,10 +17,12 @@ import math
 import sys
 import time
 
+# cli first, before torch: Ctrl-C during the slow imports then ends quietly (see cli.py)
+from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
+
 import torch
 
 from base_model import GPT
-from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
 from kv_cache import KVCacheGPT, cache_bytes_formula, synchronize
 from sample import check_sampling_args
 
