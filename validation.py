@@ -78,6 +78,13 @@ def available_memory():
     return available
 
 
+def max_text_bytes():
+    """The most bytes of text (a prompt, a file to score) worth reading: each byte may become
+    a character, a token id in a Python list (an int object and a pointer, ~36 bytes) and
+    a tensor entry (8 bytes), ~48 bytes of memory at most (a byte-level tokenizer)."""
+    return int(min(available_memory() / 48, 2 ** 62))
+
+
 def format_bytes(n):
     return f"{n / 1e9:,.1f} GB" if n < 1e15 else f"{n / 1e9:.3g} GB"
 
