@@ -25,6 +25,7 @@ import torch
 from base_model import GPT
 from kv_cache import KVCacheGPT, cache_bytes_formula, synchronize
 from sample import check_sampling_args
+from validation import max_text_bytes
 
 
 def parse_args():
@@ -65,17 +66,24 @@ def parse_args():
 
 
 def read_text(path, what):
-    """The contents of a UTF-8 text file, or one UserError line saying why not."""
+    """The contents of a UTF-8 text file, or one UserError line saying why not. No more is
+    read than memory can tokenize: /dev/zero, say, never ends."""
+    limit = max_text_bytes()
     if path == "-":
-        data = sys.stdin.buffer.read()
+        if sys.stdin is None:  # started with <&-
+            raise UserError(f"{what} -: standard input is closed")
+        data = sys.stdin.buffer.read(limit + 1)
     else:
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                data = f.read(limit + 1)
         except IsADirectoryError:
             raise UserError(f"{what} {path}: is a directory, expected a text file") from None
         except OSError as e:
             raise UserError(f"{what} {path}: cannot read it ({e.strerror})") from None
+    if len(data) > limit:
+        raise UserError(f"{what} {path}: more than {limit:,} bytes, more text than this "
+                        "machine's memory can tokenize")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
