@@ -12,13 +12,13 @@ this file turns its tokens into text and decides when to stop.
 """
 
 import codecs
-import json
 import math
 import sys
 import time
 
 # cli first, before torch: Ctrl-C during the slow imports then ends quietly (see cli.py)
-from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
+from cli import (ArgumentParser, UserError, add_model_args, json_text, load_from_args, positive_int,
+                 run)
 
 import torch
 
@@ -200,7 +200,7 @@ def generate(args, prompt, model, tokenizer, device):
 
     report = generation_stats(model, stats, len(ids), samples, steps, t_start, t_first, t_end)
     if args.json:
-        print(json.dumps({"prompt": prompt, "texts": [s.text for s in samples], "stats": report}))
+        print(json_text({"prompt": prompt, "texts": [s.text for s in samples], "stats": report}))
     else:
         printer.update()
     if args.stats:
@@ -268,6 +268,9 @@ def score(model, tokenizer, text, device):
         nll = torch.nn.functional.cross_entropy(logits, ids[begin + 1:end + 1], reduction="none")
         total_nats += nll[done - begin:].sum().item()  # only targets not scored before
         done, begin = end, end - block // 2
+    if not math.isfinite(total_nats):  # activations overflowed (float16 has a small range)
+        raise UserError(f"the model's loss on this text is {total_nats} (its activations overflow "
+                        "in this dtype); try --dtype float32")
     return {"chars": len(text), "tokens": n_targets, "nats_per_token": total_nats / n_targets,
             "bits_per_char": total_nats / math.log(2) / len(text)}
 
@@ -283,7 +286,7 @@ def main():
         return generate(args, text, model, tokenizer, device)
     result = score(model, tokenizer, text, device)
     if args.json:
-        print(json.dumps(result))
+        print(json_text(result))
     else:
         print(f"{args.score}: {result['chars']:,} characters, {result['tokens']:,} tokens, "
               f"{result['nats_per_token']:.4f} nats/token, {result['bits_per_char']:.4f} bits/char")
