@@ -26,7 +26,7 @@ from base_model import GPT
 from kv_cache import KVCacheGPT, cache_bytes_formula, synchronize
 from sample import check_sampling_args
 from stop_strings import StopString
-from validation import max_text_bytes
+from validation import check_fits_in_memory, generation_memory, max_text_bytes
 
 
 def parse_args():
@@ -171,6 +171,8 @@ def encode_prompt(text, tokenizer, block_size):
 
 
 def generate(args, prompt, model, tokenizer, device):
+    check_fits_in_memory(generation_memory(model.config, args.num_samples, model.lm_head.weight.element_size()),
+                         f"decoding {args.num_samples:,} samples together", f"--num-samples {args.num_samples}")
     ids = encode_prompt(prompt, tokenizer, model.config.block_size)
     samples = [SampleText(tokenizer, args.stop, not args.ignore_eot) for _ in range(args.num_samples)]
     printer = Printer(samples, prompt)
