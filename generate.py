@@ -63,6 +63,12 @@ def parse_args():
                 .replace("temperature", "--temperature", 1))
     if any(s == "" for s in args.stop):
         p.error("--stop: the stop string must not be empty")
+    for flag, texts in (("--prompt", [args.prompt]), ("--stop", args.stop)):
+        for text in texts:
+            try:  # bytes that are not UTF-8 reach Python as lone surrogates, which have no bytes
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                p.error(f"{flag}: not UTF-8 text (the shell passed bytes that are not UTF-8)")
     return args
 
 
