@@ -18,12 +18,14 @@ import time
 from datetime import date
 from pathlib import Path
 
+# cli first, before torch: Ctrl-C during the slow imports then ends quietly (see cli.py)
+from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from base_model import GPT, GPTConfig
-from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
 from kv_cache import KVCacheGPT, cache_bytes_formula, synchronize
 
 SHAPES = {  # random-weight models at a named shape
