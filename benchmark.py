@@ -9,17 +9,16 @@ Batch 1 decoding reads every weight once per token, so its floor is the time to 
 all weights through a matrix-vector product; this measures that floor in the same run.
 """
 
-import json
 import platform
 import resource
 import statistics
 import sys
 import time
 from datetime import date
-from pathlib import Path
 
 # cli first, before torch: Ctrl-C during the slow imports then ends quietly (see cli.py)
-from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
+from cli import (MARK, ArgumentParser, UserError, add_model_args, check_output_path, json_text,
+                 load_from_args, positive_int, run, write_atomically)
 
 import numpy as np
 import torch
@@ -289,13 +288,19 @@ def print_report(r):
               f"greedy tokens match: {p['greedy_tokens_match']}")
 
 
-def plot(r, path):
+def import_pyplot():
+    """matplotlib, an optional extra; asked for before the run, so that a missing one is
+    found in a second rather than after minutes of measuring."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+    return plt
+
+
+def plot(r, path, plt):
     c = r["cost_curves"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for kind, label in KINDS.items():
@@ -307,8 +312,9 @@ def plot(r, path):
     ax1.legend(fontsize=8)
     fig.suptitle(f"{c['shape']} shape, {r['machine']}, {r['date']}")
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    # the Software text chunk marks the PNG as ours (cli.check_output_path)
+    write_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110,
+                                                   metadata={"Software": f"{MARK} benchmark.py"}))
 
 
 def int_list(text):
@@ -340,6 +346,13 @@ def main():
     if args.naive_check is None:
         args.naive_check = 32 if args.quick else 128
 
+    # outputs are checked before the run: a bad path must not cost minutes of measuring
+    if args.json:
+        check_output_path(args.json, "json")
+    if args.plot:
+        check_output_path(args.plot, "png")
+        plt = import_pyplot()
+
     model, _, device = load_from_args(KVCacheGPT, args)
     r = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
          "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device.type,
@@ -359,10 +372,9 @@ def main():
     r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print_report(r)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(r, indent=1))
+        write_atomically(args.json, json_text(r, generator="benchmark.py", indent=1))
     if args.plot:
-        plot(r, args.plot)
+        plot(r, args.plot, plt)
 
 
 if __name__ == "__main__":
