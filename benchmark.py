@@ -107,7 +107,7 @@ def cost_curves(args, device, reps):
     """Total time and per-token latency vs generated length, for the three kinds."""
     model = random_model(args.shape, device)
     prompt = torch.zeros(1, args.prompt_tokens, dtype=torch.long, device=device)
-    lengths = [n for n in args.lengths if args.prompt_tokens + n <= model.config.block_size]
+    lengths = args.lengths  # each fits after the prompt (check_run_is_possible)
     longest = max(lengths)
     curves = {}
     for kind in ("cat", "prealloc"):
@@ -321,6 +321,30 @@ def int_list(text):
     return sorted({positive_int(x) for x in text.split(",")})
 
 
+def check_run_is_possible(args, parser):
+    """Refuse flags that make an empty or impossible run in one line, before the run: every
+    generated length must fit in the shape's context after the prompt (the default
+    lengths are cut to the ones that fit), the decode rate needs two tokens (the first
+    one includes the prefill), and a negative naive check means nothing."""
+    block = SHAPES[args.shape].block_size
+    if args.prompt_tokens >= block:
+        parser.error(f"--prompt-tokens {args.prompt_tokens}: leaves no room to generate in the "
+                     f"{args.shape} shape's context of {block}")
+    if args.lengths:
+        too_long = [n for n in args.lengths if args.prompt_tokens + n > block]
+        if too_long:
+            parser.error(f"--lengths: {too_long[0]} does not fit: {args.prompt_tokens} prompt tokens + "
+                         f"{too_long[0]} > the {args.shape} shape's context of {block}")
+    else:
+        defaults = [4, 32, 64, 128, 224] if args.quick else [4, 32, 64, 128, 256, 512, 1000]
+        args.lengths = [n for n in defaults if args.prompt_tokens + n <= block]
+    if args.demo_tokens < 2:
+        parser.error("--demo-tokens: must be >= 2 (the decode rate leaves out the first token, "
+                     "which includes the prefill)")
+    if args.naive_check < 0:
+        parser.error(f"--naive-check: must be >= 0 (0: none), got {args.naive_check}")
+
+
 def main():
     p = ArgumentParser(description="Measure what the KV cache buys (see the module docstring).")
     add_model_args(p)
@@ -341,10 +365,10 @@ def main():
     p.add_argument("--plot", metavar="PATH", help="write the cost curves as a PNG (needs matplotlib)")
     args = p.parse_args()
     args.shape = args.shape or ("tiny" if args.quick else "gpt2")
-    args.lengths = args.lengths or ([4, 32, 64, 128, 224] if args.quick else [4, 32, 64, 128, 256, 512, 1000])
     reps = args.reps or (1 if args.quick else 3)
     if args.naive_check is None:
         args.naive_check = 32 if args.quick else 128
+    check_run_is_possible(args, p)
 
     # outputs are checked before the run: a bad path must not cost minutes of measuring
     if args.json:
