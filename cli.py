@@ -6,15 +6,7 @@ ends in one line on stderr and exit status 2, never a traceback.
 Scripts import this module before torch (see the first lines below).
 """
 
-import argparse
-import json
-import math
-import os
-import shutil
 import sys
-import tempfile
-from contextlib import contextmanager
-from pathlib import Path
 
 
 def quiet_interrupt(kind, value, traceback, print_exception=sys.excepthook):
@@ -23,6 +15,19 @@ def quiet_interrupt(kind, value, traceback, print_exception=sys.excepthook):
     process by SIGINT itself, which the shell reports as status 130.)"""
     if not issubclass(kind, KeyboardInterrupt):
         print_exception(kind, value, traceback)
+
+
+# Scripts import this module first, so that this holds from their first moments on.
+sys.excepthook = quiet_interrupt
+
+import argparse  # noqa: E402  (the imports come after the hook, on purpose)
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 
 def fill_closed_standard_fds():
@@ -37,11 +42,12 @@ def fill_closed_standard_fds():
             os.open(os.devnull, os.O_RDWR)  # open() returns the lowest free descriptor: fd
 
 
-# Scripts import this module before torch, so that both hold from their first second on.
-sys.excepthook = quiet_interrupt
 fill_closed_standard_fds()
 
-import torch  # noqa: E402  (after the two lines above, on purpose)
+# numpy before torch: torch imports it from C++ and drops any exception there, a Ctrl-C
+# included (which then went unnoticed: the script ran on)
+import numpy  # noqa: E402, F401
+import torch  # noqa: E402  (after the hook and the descriptors, on purpose)
 
 from checkpoint import CheckpointError, load_model  # noqa: E402
 
