@@ -371,9 +371,9 @@ def main():
     check_run_is_possible(args, p)
 
     # outputs are checked before the run: a bad path must not cost minutes of measuring
-    if args.json:
+    if args.json is not None:  # "" (an unset variable) is refused, not taken for "no --json"
         check_output_path(args.json, "json")
-    if args.plot:
+    if args.plot is not None:
         check_output_path(args.plot, "png")
         plt = import_pyplot()
 

@@ -86,6 +86,8 @@ def max_text_bytes():
 
 
 def format_bytes(n):
+    if n < 1e9:
+        return f"{n / 1e6:,.1f} MB"
     return f"{n / 1e9:,.1f} GB" if n < 1e15 else f"{n / 1e9:.3g} GB"
 
 
