@@ -34,12 +34,16 @@ def fill_closed_standard_fds():
     """A script started with stdin, stdout or stderr closed (`<&-`, `>&-`, `2>&-`) has no
     file at descriptor 0, 1 or 2, so the next file it opens (a checkpoint, the --json
     output) would take that number, and what C code writes to "stderr" (torch's warnings)
-    would land inside it. /dev/null takes each empty place first, before anything is opened."""
+    would land inside it. /dev/null takes each empty place first, before anything is opened.
+    Python sets sys.stderr to None then, and print(..., file=None) prints to stdout: the
+    "loaded" line and --stats went into --json's output. They go to /dev/null instead."""
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)
         except OSError:
             os.open(os.devnull, os.O_RDWR)  # open() returns the lowest free descriptor: fd
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", closefd=False)
 
 
 fill_closed_standard_fds()
