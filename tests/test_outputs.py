@@ -120,3 +120,21 @@ def test_json_text_is_always_valid_json():
     text = json_text({"rate": float("inf"), "loss": float("nan"), "xs": [1.5, float("-inf")], 3: (2, 1.0)})
     assert json.loads(text, parse_constant=no_constants) == {"rate": None, "loss": None, "xs": [1.5, None], "3": [2, 1.0]}
     assert json.loads(json_text({"a": 1}, generator="benchmark.py"))["generator"] == "kvcache-gpt benchmark.py"
+
+
+def test_failed_export_leaves_nothing_behind(tmp_path, tiny_ckpt, monkeypatch):
+    """A disk that fills while the weights are written: no half-written OUT_DIR that would
+    block the next attempt ("exists and is not empty"), and the next attempt succeeds."""
+    import export_hf
+
+    def full_disk(state_dict, out_dir, use_safetensors=None):
+        (out_dir / "model.safetensors").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    out = tmp_path / "hf"
+    with monkeypatch.context() as m:
+        m.setattr(export_hf, "write_weights", full_disk)
+        with pytest.raises(UserError, match="No space left on device"):
+            export_hf.export(tiny_ckpt, out, report=lambda _: None)
+    assert sorted(os.listdir(tmp_path)) == ["tiny.pt"]
+    export_hf.export(tiny_ckpt, out, report=lambda _: None)
+    assert {"config.json", "vocab.json", "merges.txt"} <= set(os.listdir(out))
