@@ -339,7 +339,9 @@ def run(main):
         check_standard_streams()
         main()
     except (UserError, CheckpointError) as e:
-        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        # one line even when the message quotes a path or a value with a newline in it
+        message = str(e).replace("\r", "\\r").replace("\n", "\\n")
+        print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

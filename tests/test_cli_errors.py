@@ -83,6 +83,7 @@ CASES = [  # (script, args, what the error line must mention)
     ("generate.py", ["--ckpt", "{d}/no_eot.pt"], "no <|endoftext|> token"),
     ("generate.py", ["--ckpt", "{d}/fifo.pt"], "not a regular file"),
     ("generate.py", ["--ckpt", "{d}/" + "x" * 300], "File name too long"),
+    ("generate.py", ["--ckpt", "{d}/two\nlines.pt"], "two\\nlines.pt: no such file"),
     ("generate.py", ["--prompt", b"caf\xe9"], "--prompt: not UTF-8"),
     ("generate.py", ["--stop", b"\xff"], "--stop: not UTF-8"),
     ("generate.py", ["--num-samples", "100000000", "--ckpt", "{d}/tiny.pt"], "would need"),
