@@ -155,6 +155,12 @@ def check_file_fits(path, factor=1):
     check_fits_in_memory(size * factor, f"reading this {size:,}-byte file", path)
 
 
+# torch.save stores every entry of its archive uncompressed (so that tensors can be read,
+# or memory-mapped, in place), and trained weights barely compress (~1.1x). An entry that
+# expands more than this from a stored size over a megabyte is not weights: a zip bomb.
+MAX_COMPRESSION_RATIO = 10
+
+
 def check_archive_fits(path):
     """torch.save writes a zip archive; its central directory, read without extracting
     anything, gives every entry's uncompressed size. A small file whose entries are
@@ -167,6 +173,12 @@ def check_archive_fits(path):
             entries = archive.infolist()
     except (zipfile.BadZipFile, OSError, ValueError, EOFError):
         raise CheckpointError(f"{path}: not a readable PyTorch checkpoint (truncated or damaged?)") from None
+    bomb = next((e for e in entries if e.file_size > 1 << 20
+                 and e.file_size > MAX_COMPRESSION_RATIO * e.compress_size), None)
+    if bomb is not None:
+        raise CheckpointError(f"{path}: entry {bomb.filename} would expand from {format_bytes(bomb.compress_size)} "
+                              f"to {format_bytes(bomb.file_size)}; torch.save does not compress and weights "
+                              "do not compress like that")
     needed = sum(e.file_size * (PYTHON_OBJECTS_PER_FILE_BYTE if e.filename.endswith(".pkl") else 1)
                  for e in entries)
     check_fits_in_memory(needed, f"unpacking this checkpoint ({len(entries):,} entries)", path)

@@ -138,3 +138,15 @@ def test_failed_export_leaves_nothing_behind(tmp_path, tiny_ckpt, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["tiny.pt"]
     export_hf.export(tiny_ckpt, out, report=lambda _: None)
     assert {"config.json", "vocab.json", "merges.txt"} <= set(os.listdir(out))
+
+
+def test_benchmark_plot_is_marked_ours(tmp_path):
+    """benchmark.py's PNG carries the mark that lets the next run replace it."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    import benchmark
+    curve = {"total_s": {4: {"median": 1.0}, 8: {"median": 2.0}}, "latency_ms": {4: 1.0, 8: 2.0}}
+    report = {"cost_curves": {"shape": "tiny", "lengths": [4, 8], "curves": {k: curve for k in benchmark.KINDS}},
+              "machine": "test", "date": "today"}
+    path = tmp_path / "plot.png"
+    benchmark.plot(report, check_output_path(path, "png"), plt)
+    assert check_output_path(path, "png") == path and os.listdir(tmp_path) == ["plot.png"]

@@ -140,22 +140,30 @@ def test_layers_are_counted_before_constructing_them(tmp_path, monkeypatch):
              "ckpt.pt", match="missing key transformer.h.2.\\*")
 
 
-def test_compressed_checkpoint_that_would_expand_too_far(tmp_path, monkeypatch):
-    """A zip entry deflated 1000:1: its uncompressed size comes from the zip's directory and
-    is refused before torch.load is called."""
-    good = save(tmp_path / "good.pt")
-    bomb = tmp_path / "bomb.pt"
-    with zipfile.ZipFile(good) as zin, zipfile.ZipFile(bomb, "w") as zout:
+def deflated(good, path, size):
+    """A copy of the checkpoint `good` whose first tensor entry is `size` zero bytes,
+    deflated (about 1000:1)."""
+    with zipfile.ZipFile(good) as zin, zipfile.ZipFile(path, "w") as zout:
         for info in zin.infolist():
-            data = zin.read(info.filename)
             if info.filename.endswith("/data/0"):
-                zout.writestr(info.filename, b"\0" * (64 << 20), compress_type=zipfile.ZIP_DEFLATED)
+                zout.writestr(info.filename, b"\0" * size, compress_type=zipfile.ZIP_DEFLATED)
             else:
-                zout.writestr(info, data)
+                zout.writestr(info, zin.read(info.filename))
+    return path
+
+
+def test_compressed_checkpoint_that_would_expand_too_far(tmp_path, monkeypatch):
+    """Entries' uncompressed sizes come from the zip's directory and are refused before
+    torch.load is called: a bomb (64 MB of zeros in a file under 1 MB), and an archive
+    whose total would not fit in the memory left (simulated: enough for the file's bytes,
+    not for the objects its pickle becomes)."""
+    good = save(tmp_path / "good.pt")
+    bomb = deflated(good, tmp_path / "bomb.pt", 64 << 20)
     assert bomb.stat().st_size < 1 << 20
-    monkeypatch.setattr(validation, "available_memory", lambda: 32 << 20)  # 32 MB left
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load was called"))
-    one_line(read_checkpoint, bomb, match="unpacking this checkpoint .* would need")
+    one_line(read_checkpoint, bomb, match="would expand from 0.1 MB to 67.1 MB")
+    monkeypatch.setattr(validation, "available_memory", lambda: good.stat().st_size + 1)
+    one_line(read_checkpoint, good, match="unpacking this checkpoint .* would need")
 
 
 # ---------------------------------------------------------------------------- weights
