@@ -17,6 +17,7 @@ import math
 import os
 import re
 import reprlib
+import stat
 import zipfile
 from pathlib import Path
 
@@ -138,14 +139,15 @@ def check_input_file(path, what="checkpoint file"):
         raise CheckpointError(f"empty path given for the {what} (an unset shell variable?)")
     path = Path(path)
     try:
-        if path.is_dir():
-            raise CheckpointError(f"{path}: is a directory, expected a {what}")
-        if not path.exists():
-            raise CheckpointError(f"{path}: no such file")
-        if not path.is_file():  # a FIFO would block forever, a device never end
-            raise CheckpointError(f"{path}: not a regular file, expected a {what}")
-    except OSError as e:  # a name too long, a loop of symlinks, no permission
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+    except OSError as e:  # a name too long, a loop of symlinks, a path under a file
         raise CheckpointError(f"{path}: cannot read it ({e.strerror or type(e).__name__})") from None
+    if stat.S_ISDIR(mode):
+        raise CheckpointError(f"{path}: is a directory, expected a {what}")
+    if not stat.S_ISREG(mode):  # a FIFO would block forever, a device never end
+        raise CheckpointError(f"{path}: not a regular file, expected a {what}")
     return path
 
 

@@ -444,3 +444,13 @@ def test_hf_config_json_values(tmp_path):
     one_line(read_config, tmp_path, match="not readable JSON")
     (tmp_path / "config.json").write_text(json.dumps(base | {"pad": "x" * (2 << 20)}))
     one_line(read_config, tmp_path, match="too large for a config.json")
+
+
+def test_input_paths(tmp_path):
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "file").write_text("x")
+    one_line(read_checkpoint, tmp_path / "loop", match="Too many levels of symbolic links")
+    one_line(read_checkpoint, tmp_path / "file" / "x.pt", match="cannot read it \\(Not a directory\\)")
+    one_line(read_checkpoint, "", match="empty path")
+    one_line(read_checkpoint, "/dev/null", match="not a regular file")
+    one_line(read_checkpoint, tmp_path / ("x" * 300), match="File name too long")
