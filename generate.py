@@ -17,8 +17,8 @@ import sys
 import time
 
 # cli first, before torch: Ctrl-C during the slow imports then ends quietly (see cli.py)
-from cli import (ArgumentParser, UserError, add_model_args, json_text, load_from_args, positive_int,
-                 run)
+from cli import (ArgumentParser, UserError, add_model_args, json_text, load_from_args,
+                 positive_int, run)
 
 import torch
 
@@ -177,8 +177,9 @@ def encode_prompt(text, tokenizer, block_size):
 
 
 def generate(args, prompt, model, tokenizer, device):
-    check_fits_in_memory(generation_memory(model.config, args.num_samples, model.lm_head.weight.element_size()),
-                         f"decoding {args.num_samples:,} samples together", f"--num-samples {args.num_samples}")
+    rows_bytes = generation_memory(model.config, args.num_samples, model.lm_head.weight.element_size())
+    check_fits_in_memory(rows_bytes, f"decoding {args.num_samples:,} samples together",
+                         f"--num-samples {args.num_samples}")
     ids = encode_prompt(prompt, tokenizer, model.config.block_size)
     samples = [SampleText(tokenizer, args.stop, not args.ignore_eot) for _ in range(args.num_samples)]
     printer = Printer(samples, prompt)

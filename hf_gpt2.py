@@ -95,13 +95,16 @@ def read_config(path):
          f"activation_function {short_repr(hf.get('activation_function'))}, ours is tanh GELU (gelu_new)"),
         (hf.get("scale_attn_by_inverse_layer_idx", False) is not False,
          "scale_attn_by_inverse_layer_idx is not false, ours scales attention by 1/sqrt(head_dim) only"),
-        (hf.get("scale_attn_weights", True) is not True, "scale_attn_weights is not true, ours always scales"),
+        (hf.get("scale_attn_weights", True) is not True,
+         "scale_attn_weights is not true, ours always scales"),
         (hf.get("layer_norm_epsilon", 1e-5) != 1e-5,
          f"layer_norm_epsilon {short_repr(hf.get('layer_norm_epsilon'))}, ours is 1e-5"),
         (hf.get("n_inner") not in (None, 4 * config.n_embd),
          f"n_inner {short_repr(hf.get('n_inner'))}, ours is 4 * n_embd"),
-        (hf.get("add_cross_attention", False) is not False, "add_cross_attention is set (an encoder-decoder)"),
-        (hf.get("tie_word_embeddings", True) is not True, "tie_word_embeddings is not true, ours ties lm_head to wte"),
+        (hf.get("add_cross_attention", False) is not False,
+         "add_cross_attention is set (an encoder-decoder)"),
+        (hf.get("tie_word_embeddings", True) is not True,
+         "tie_word_embeddings is not true, ours ties lm_head to wte"),
     ]
     for wrong, why in unsupported:
         if wrong:

@@ -178,9 +178,9 @@ def check_archive_fits(path):
     bomb = next((e for e in entries if e.file_size > 1 << 20
                  and e.file_size > MAX_COMPRESSION_RATIO * e.compress_size), None)
     if bomb is not None:
-        raise CheckpointError(f"{path}: entry {bomb.filename} would expand from {format_bytes(bomb.compress_size)} "
-                              f"to {format_bytes(bomb.file_size)}; torch.save does not compress and weights "
-                              "do not compress like that")
+        raise CheckpointError(f"{path}: entry {bomb.filename} would expand from "
+                              f"{format_bytes(bomb.compress_size)} to {format_bytes(bomb.file_size)}; "
+                              "torch.save does not compress and weights do not compress like that")
     needed = sum(e.file_size * (PYTHON_OBJECTS_PER_FILE_BYTE if e.filename.endswith(".pkl") else 1)
                  for e in entries)
     check_fits_in_memory(needed, f"unpacking this checkpoint ({len(entries):,} entries)", path)
@@ -252,7 +252,8 @@ def check_layer_count(state_dict, config, source):
     if first_missing < config.n_layer:
         raise CheckpointError(f"{source}: missing key transformer.h.{first_missing}.* (the config "
                               f"has {config.n_layer:,} layers, the weights none for layer {first_missing})")
-    extra = next((k for k in state_dict if (m := LAYER_KEY.match(k)) and int(m.group(1)) >= config.n_layer), None)
+    extra = next((k for k in state_dict
+                  if (m := LAYER_KEY.match(k)) and int(m.group(1)) >= config.n_layer), None)
     if extra is not None:
         raise CheckpointError(f"{source}: unexpected key {extra} (the config has {config.n_layer} layers)")
 

@@ -16,7 +16,7 @@ import torch
 import validation
 from base_model import GPT, GPTConfig
 from checkpoint import build_model, load_model, read_checkpoint
-from conftest import GPT2_PATTERN, ROOT, TINY_CONFIGS, byte_tokenizer_spec, tiny_model
+from conftest import ROOT, TINY_CONFIGS, byte_tokenizer_spec, tiny_model
 from hf_gpt2 import encoding_from_bpe, parse_tokenizer_json
 from kv_cache import KVCacheGPT
 from validation import CheckpointError, config_from_dict, encoding_from_spec
