@@ -11,14 +11,16 @@ all weights through a matrix-vector product; this measures that floor in the sam
 
 import argparse
 import copy
-import json
 import platform
 import resource
 import statistics
 import sys
 import time
 from datetime import date
-from pathlib import Path
+
+# cli first, before torch: Ctrl-C during the slow imports then ends quietly (see cli.py)
+from cli import (MARK, ArgumentParser, UserError, add_model_args, check_output_path, json_text,
+                 load_from_args, positive_int, run, write_atomically)
 
 import numpy as np
 import torch
@@ -26,7 +28,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from base_model import GPT, GPTConfig, store_linears_column_major
-from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
 from kv_cache import KVCacheGPT, cache_bytes_formula, synchronize
 from quantize import (INT4_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear, QuantizedLinear,
                       quantize_model)
@@ -113,7 +114,7 @@ def cost_curves(args, device, reps):
     """Total time and per-token latency vs generated length, for the three kinds."""
     model = random_model(args.shape, device)
     prompt = torch.zeros(1, args.prompt_tokens, dtype=torch.long, device=device)
-    lengths = [n for n in args.lengths if args.prompt_tokens + n <= model.config.block_size]
+    lengths = args.lengths  # each fits after the prompt (check_run_is_possible)
     longest = max(lengths)
     curves = {}
     for kind in ("cat", "prealloc"):
@@ -487,13 +488,19 @@ def print_quantization(results, floor):
                   f"{fp32_ms / f['decode_ms_per_token']:.2f}x |{same}")
 
 
-def plot(r, path):
+def import_pyplot():
+    """matplotlib, an optional extra; asked for before the run, so that a missing one is
+    found in a second rather than after minutes of measuring."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+    return plt
+
+
+def plot(r, path, plt):
     c = r["cost_curves"]
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4))
     for kind, label in KINDS.items():
@@ -513,12 +520,37 @@ def plot(r, path):
     ax3.legend(fontsize=8)
     fig.suptitle(f"{c['shape']} shape, {r['machine']}, {r['date']}")
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    # the Software text chunk marks the PNG as ours (cli.check_output_path)
+    write_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110,
+                                                   metadata={"Software": f"{MARK} benchmark.py"}))
 
 
 def int_list(text):
     return sorted({positive_int(x) for x in text.split(",")})
+
+
+def check_run_is_possible(args, parser):
+    """Refuse flags that make an empty or impossible run in one line, before the run: every
+    generated length must fit in the shape's context after the prompt (the default
+    lengths are cut to the ones that fit), the decode rate needs two tokens (the first
+    one includes the prefill), and a negative naive check means nothing."""
+    block = SHAPES[args.shape].block_size
+    if args.prompt_tokens >= block:
+        parser.error(f"--prompt-tokens {args.prompt_tokens}: leaves no room to generate in the "
+                     f"{args.shape} shape's context of {block}")
+    if args.lengths:
+        too_long = [n for n in args.lengths if args.prompt_tokens + n > block]
+        if too_long:
+            parser.error(f"--lengths: {too_long[0]} does not fit: {args.prompt_tokens} prompt tokens + "
+                         f"{too_long[0]} > the {args.shape} shape's context of {block}")
+    else:
+        defaults = [4, 32, 64, 128, 224] if args.quick else [4, 32, 64, 128, 256, 512, 1000]
+        args.lengths = [n for n in defaults if args.prompt_tokens + n <= block]
+    if args.demo_tokens < 2:
+        parser.error("--demo-tokens: must be >= 2 (the decode rate leaves out the first token, "
+                     "which includes the prefill)")
+    if args.naive_check < 0:
+        parser.error(f"--naive-check: must be >= 0 (0: none), got {args.naive_check}")
 
 
 def main():
@@ -547,10 +579,17 @@ def main():
     p.add_argument("--plot", metavar="PATH", help="write the cost curves as a PNG (needs matplotlib)")
     args = p.parse_args()
     args.shape = args.shape or ("tiny" if args.quick else "gpt2")
-    args.lengths = args.lengths or ([4, 32, 64, 128, 224] if args.quick else [4, 32, 64, 128, 256, 512, 1000])
     reps = args.reps or (1 if args.quick else 3)
     if args.naive_check is None:
         args.naive_check = 32 if args.quick else 128
+    check_run_is_possible(args, p)
+
+    # outputs are checked before the run: a bad path must not cost minutes of measuring
+    if args.json is not None:  # "" (an unset variable) is refused, not taken for "no --json"
+        check_output_path(args.json, "json")
+    if args.plot is not None:
+        check_output_path(args.plot, "png")
+        plt = import_pyplot()
 
     model, tokenizer, device = load_from_args(KVCacheGPT, args)
     r = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
@@ -579,10 +618,9 @@ def main():
     if "quantization" in r:
         print_quantization(r["quantization"], r["floor"])
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(r, indent=1))
+        write_atomically(args.json, json_text(r, generator="benchmark.py", indent=1))
     if args.plot:
-        plot(r, args.plot)
+        plot(r, args.plot, plt)
 
 
 if __name__ == "__main__":

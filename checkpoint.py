@@ -1,5 +1,5 @@
 """
-Checkpoints and tokenizers: the one loader every script shares.
+Checkpoints: the one loader every script shares.
 
 A checkpoint is data, never code: every file is read with torch.load(weights_only=True),
 which refuses pickles that would construct arbitrary objects. Accepted layouts:
@@ -7,6 +7,8 @@ which refuses pickles that would construct arbitrary objects. Accepted layouts:
   - a bare state dict, with the config inferred from the tensor shapes.
 A checkpoint may carry its tokenizer ('tokenizer': tiktoken ranks, or an encoding name);
 one that says nothing is taken to use GPT-2's encoding, as nanoGPT-style checkpoints do.
+Every file, config, tokenizer and tensor is checked by validation.py before a model is
+built from it; build_model is the one place a model is built, for hf_gpt2.py too.
 """
 
 import dataclasses
@@ -14,20 +16,18 @@ import pickle
 import re
 from pathlib import Path
 
-import tiktoken
 import torch
 
-from base_model import GPTConfig
+from validation import (SHAPE_FIELDS, CheckpointError, check_archive_fits, check_file_fits,
+                        check_input_file, check_layer_count, check_tokenizer_fits, check_values,
+                        check_weights, check_tensors, config_from_dict, encoding_from_spec,
+                        layer_indices)
 
 ROOT = Path(__file__).resolve().parent
 BUNDLED = ROOT / "checkpoints" / "shakespeare" / "ckpt.pt"
 # The seed's lookup order when no checkpoint is named: a learner's own, then the bundled one.
 DEFAULT_CHAIN = [ROOT / "checkpoints" / "ckpt_sft.pt", ROOT / "checkpoints" / "ckpt_base.pt", BUNDLED]
 BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal masks some GPT code saves
-
-
-class CheckpointError(ValueError):
-    """A checkpoint or tokenizer that cannot be used; the message is one line for the user."""
 
 
 def default_checkpoint():
@@ -41,15 +41,19 @@ def default_checkpoint():
 
 def read_checkpoint(path):
     """torch.load a file as data only; every failure becomes one CheckpointError line."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file")
-    if path.is_dir():
-        raise CheckpointError(f"{path}: is a directory, expected a checkpoint file (.pt)")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    # torch.save writes a zip archive (PK..); older files are a bare pickle (protocol byte 0x80)
-    if not (magic.startswith(b"PK\x03\x04") or magic[:1] == b"\x80"):
+    path = check_input_file(path)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror})") from None
+    # torch.save writes a zip archive (PK..); older files are a bare pickle (protocol byte
+    # 0x80) followed by the raw tensor data, which is most of such a file
+    if magic.startswith(b"PK\x03\x04"):
+        check_archive_fits(path)
+    elif magic[:1] == b"\x80":
+        check_file_fits(path)
+    else:
         raise CheckpointError(f"{path}: not a readable PyTorch checkpoint (not a torch.save file)")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -74,11 +78,14 @@ def split_checkpoint(obj, path):
     if "model" in obj and isinstance(obj["model"], dict):
         # nanoGPT keeps the model's arguments in 'model_args' and its training settings in
         # 'config'; ours keeps the model's in 'config'. Only GPTConfig's fields are taken.
-        config = obj.get("model_args") or obj.get("config")
-        return obj["model"], config, obj.get("tokenizer")
-    if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
-        return obj, None, None
-    raise CheckpointError(f"{path}: not a checkpoint: no 'model' state dict and not a bare state dict")
+        config = obj["model_args"] if "model_args" in obj else obj.get("config")
+        state_dict, tokenizer = obj["model"], obj.get("tokenizer")
+    elif obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        state_dict, config, tokenizer = obj, None, None
+    else:
+        raise CheckpointError(f"{path}: not a checkpoint: no 'model' state dict and not a bare state dict")
+    check_tensors(state_dict, path)
+    return state_dict, config, tokenizer
 
 
 def clean_state_dict(state_dict):
@@ -97,89 +104,59 @@ def clean_state_dict(state_dict):
 def infer_config(state_dict, path):
     """A GPTConfig from tensor shapes. n_head cannot be seen in shapes: GPT-2's 64-wide
     heads are assumed."""
-    try:
-        vocab_size, n_embd = state_dict["transformer.wte.weight"].shape
-        block_size = state_dict["transformer.wpe.weight"].size(0)
-    except KeyError as e:
-        raise CheckpointError(f"{path}: missing key {e.args[0]}, cannot infer the model's shape") from None
-    n_layer = len({k.split(".")[2] for k in state_dict if k.startswith("transformer.h.")})
-    return GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer,
-                     n_head=max(1, n_embd // 64), n_embd=n_embd,
-                     bias="transformer.ln_f.bias" in state_dict)
+    for key in ("transformer.wte.weight", "transformer.wpe.weight"):
+        if key not in state_dict:
+            raise CheckpointError(f"{path}: missing key {key}, cannot infer the model's shape")
+        if state_dict[key].dim() != 2:
+            raise CheckpointError(f"{path}: {key} has shape {tuple(state_dict[key].shape)}, "
+                                  "expected (rows, n_embd)")
+    vocab_size, n_embd = state_dict["transformer.wte.weight"].shape
+    fields = dict(block_size=state_dict["transformer.wpe.weight"].size(0), vocab_size=vocab_size,
+                  n_layer=max(layer_indices(state_dict), default=-1) + 1,
+                  n_head=max(1, n_embd // 64), n_embd=n_embd, bias="transformer.ln_f.bias" in state_dict)
+    return config_from_dict(fields, f"{path} (no config: inferred from the weights, 64-wide heads)")
 
 
 def make_config(config_dict, state_dict, path):
-    if config_dict is None:
+    """The checkpoint's config, checked field by field; inferred from the weights when the
+    checkpoint has none, or only settings that are not the model's (nanoGPT's training
+    config without its model_args)."""
+    if config_dict is None or (isinstance(config_dict, dict)
+                               and not any(name in config_dict for name in SHAPE_FIELDS)):
         return infer_config(state_dict, path)
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    try:
-        return GPTConfig(**{k: v for k, v in config_dict.items() if k in fields})
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: bad model config: {e}") from None
-
-
-def load_weights(model, state_dict, path):
-    """load_state_dict(strict=True), with the first offending key or shape in one line."""
-    expected = model.state_dict()
-    missing = [k for k in expected if k not in state_dict]
-    extra = [k for k in state_dict if k not in expected]
-    if missing:
-        raise CheckpointError(f"{path}: missing key {missing[0]} ({len(missing)} missing in all)")
-    if extra:
-        raise CheckpointError(f"{path}: unexpected key {extra[0]} ({len(extra)} unexpected in all)")
-    for key, tensor in expected.items():
-        if state_dict[key].shape != tensor.shape:
-            raise CheckpointError(
-                f"{path}: {key} has shape {tuple(state_dict[key].shape)}, "
-                f"the config expects {tuple(tensor.shape)}")
-    model.load_state_dict(state_dict, strict=True)  # copies into the model's fp32 parameters
-
-
-# ---------------------------------------------------------------------------- tokenizers
-
-def tokenizer_from_spec(spec, path):
-    """A tiktoken.Encoding from a checkpoint's 'tokenizer' entry, never from the network.
-    spec: {'mergeable_ranks': [bytes, ...], 'pat_str', 'special_tokens', 'name'} for a
-    tokenizer carried inside, or {'encoding': NAME} for one of tiktoken's; None means gpt2."""
-    spec = spec or {"encoding": "gpt2"}
-    if "mergeable_ranks" in spec:
-        ranks = {token: rank for rank, token in enumerate(spec["mergeable_ranks"])}
-        return tiktoken.Encoding(name=spec.get("name", "bundled"), pat_str=spec["pat_str"],
-                                 mergeable_ranks=ranks, special_tokens=spec["special_tokens"])
-    name = spec.get("encoding", "gpt2")
-    try:
-        return tiktoken.get_encoding(name)
-    except Exception as e:  # tiktoken downloads on first use; here that fails in many ways
-        cause = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-        raise CheckpointError(
-            f"{path}: needs tiktoken encoding '{name}', which could not be loaded offline ({cause}); "
-            "copy tiktoken's cache for it to a folder and set TIKTOKEN_CACHE_DIR to that folder") from None
+    return config_from_dict(config_dict, path)
 
 
 # ---------------------------------------------------------------------------- loading
 
+def build_model(cls, config, state_dict, tokenizer, source):
+    """`cls` (GPT or KVCacheGPT) holding state_dict, once everything about it is checked:
+    the tokenizer fits the vocabulary, the weights are finite, and (before the model's n
+    layers are constructed) the layers are there; then every key and shape. Both loaders
+    come through here, so that no script can skip a check."""
+    check_tokenizer_fits(tokenizer, config, source)
+    check_layer_count(state_dict, config, source)
+    check_values(state_dict, source)
+    model = cls(config)
+    check_weights(state_dict, model.state_dict(), source)
+    model.load_state_dict(state_dict, strict=True)  # copies into the model's fp32 parameters
+    return model
+
+
 def load_model(cls, path=None, device="cpu", dtype=torch.float32, report=print):
     """Build `cls` (GPT or KVCacheGPT) from a checkpoint; returns (model, tokenizer).
 
-    With no path, the default chain is used. The weights are loaded in fp32 and then cast
-    to dtype. `report` receives the one line that says what was loaded."""
-    path = Path(path) if path else default_checkpoint()
+    With no path (None), the default chain is used; an empty string is refused. The weights
+    are loaded in fp32 and then cast to dtype. `report` receives the one line that says
+    what was loaded."""
+    path = default_checkpoint() if path is None else path
     state_dict, config_dict, tokenizer_spec = split_checkpoint(read_checkpoint(path), path)
     state_dict = clean_state_dict(state_dict)
     config = make_config(config_dict, state_dict, path)
-    model = cls(config)
-    load_weights(model, state_dict, path)
-    tokenizer = tokenizer_from_spec(tokenizer_spec, path)
-    check_tokenizer_fits(tokenizer, config, path)
+    tokenizer = encoding_from_spec(tokenizer_spec, path)
+    model = build_model(cls, config, state_dict, tokenizer, path)
     report(f"loaded {path} ({describe(model)}, tokenizer {tokenizer.name}, {tokenizer.n_vocab} tokens)")
     return model.to(device=device, dtype=dtype).eval(), tokenizer
-
-
-def check_tokenizer_fits(tokenizer, config, path):
-    """Every token id must have a row in the embedding table (more rows are fine: padding)."""
-    if tokenizer.n_vocab > config.vocab_size:
-        raise CheckpointError(
-            f"{path}: tokenizer has {tokenizer.n_vocab} tokens but the model only {config.vocab_size}")
 
 
 def describe(model):

@@ -14,13 +14,14 @@ transformers is not needed here; hf_gpt2.py holds the layout knowledge both ways
 """
 
 import json
-from pathlib import Path
+
+# cli first, before torch: Ctrl-C during the slow imports then ends quietly (see cli.py)
+from cli import ArgumentParser, check_output_path, new_directory, run
 
 import torch
 
 from base_model import GPT
 from checkpoint import load_model
-from cli import ArgumentParser, UserError, run
 from hf_gpt2 import GPT2_PATTERNS, byte_to_char, swap_conv1d
 
 
@@ -122,17 +123,17 @@ def write_tokenizer(tokenizer, out_dir, block_size):
 
 
 def export(ckpt, out_dir, report=print, use_safetensors=None):
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        # never mix with an older export: HF would pick whichever weights file it prefers
-        raise UserError(f"{out_dir}: exists and is not an empty directory; choose a new OUT_DIR")
+    """Write the HF directory out_dir (new or empty, checked before the model is loaded). It
+    appears only complete: the files are written into a temporary folder beside it, which
+    is renamed at the end (cli.new_directory), so a failure leaves nothing behind."""
+    out_dir = check_output_path(out_dir, "dir")
     model, tokenizer = load_model(GPT, ckpt, report=report)
-    out_dir.mkdir(parents=True, exist_ok=True)
     eot = tokenizer._special_tokens.get("<|endoftext|>")
-    (out_dir / "config.json").write_text(json.dumps(hf_config(model.config, eot), indent=2))
-    weights = write_weights(hf_state_dict(model), out_dir, use_safetensors)
-    report(f"wrote {out_dir}: config.json, {weights}; "
-           + write_tokenizer(tokenizer, out_dir, model.config.block_size))
+    with new_directory(out_dir) as tmp:
+        (tmp / "config.json").write_text(json.dumps(hf_config(model.config, eot), indent=2))
+        weights = write_weights(hf_state_dict(model), tmp, use_safetensors)
+        tokenizer_note = write_tokenizer(tokenizer, tmp, model.config.block_size)
+    report(f"wrote {out_dir}: config.json, {weights}; {tokenizer_note}")
 
 
 def main():

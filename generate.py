@@ -20,13 +20,17 @@ import math
 import sys
 import time
 
+# cli first, before torch: Ctrl-C during the slow imports then ends quietly (see cli.py)
+from cli import (ArgumentParser, UserError, add_model_args, json_text, load_from_args,
+                 positive_int, run)
+
 import torch
 
 from base_model import GPT, GenerationStats
-from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
 from kv_cache import KVCacheGPT, cache_bytes_formula, synchronize
 from sample import check_sampling_args
 from text_stream import SampleText
+from validation import check_fits_in_memory, generation_memory, max_text_bytes
 
 
 def parse_args():
@@ -73,21 +77,34 @@ def parse_args():
         p.error("--compile applies to the cached loop; drop --no-cache")
     if (args.prompt or []).count("-") > 1:
         p.error("--prompt -: standard input can be read only once")
+    for flag, texts in (("--prompt", args.prompt or []), ("--stop", args.stop)):
+        for text in texts:
+            try:  # bytes that are not UTF-8 reach Python as lone surrogates, which have no bytes
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                p.error(f"{flag}: not UTF-8 text (the shell passed bytes that are not UTF-8)")
     return args
 
 
 def read_text(path, what):
-    """The contents of a UTF-8 text file, or one UserError line saying why not."""
+    """The contents of a UTF-8 text file, or one UserError line saying why not. No more is
+    read than memory can tokenize: /dev/zero, say, never ends."""
+    limit = max_text_bytes()
     if path == "-":
-        data = sys.stdin.buffer.read()
+        if sys.stdin is None:  # started with <&-
+            raise UserError(f"{what} -: standard input is closed")
+        data = sys.stdin.buffer.read(limit + 1)
     else:
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                data = f.read(limit + 1)
         except IsADirectoryError:
             raise UserError(f"{what} {path}: is a directory, expected a text file") from None
         except OSError as e:
             raise UserError(f"{what} {path}: cannot read it ({e.strerror})") from None
+    if len(data) > limit:
+        raise UserError(f"{what} {path}: more than {limit:,} bytes, more text than this "
+                        "machine's memory can tokenize")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -177,8 +194,11 @@ def encode_prompt(text, tokenizer, block_size):
 
 
 def generate(args, prompts, model, tokenizer, device):
-    ids = [encode_prompt(p, tokenizer, model.config.block_size) for p in prompts]
     rows = [i for i in range(len(prompts)) for _ in range(args.num_samples)]  # prompt-major
+    rows_bytes = generation_memory(model.config, len(rows), model.lm_head.weight.element_size())
+    check_fits_in_memory(rows_bytes, f"decoding {len(rows):,} rows together",
+                         f"--num-samples {args.num_samples} with {len(prompts)} prompts")
+    ids = [encode_prompt(p, tokenizer, model.config.block_size) for p in prompts]
     samples = [SampleText(tokenizer, args.stop, not args.ignore_eot) for _ in rows]
     printer = Printer(samples, [prompts[i] for i in rows], row_headers(len(prompts), args.num_samples))
     streaming = not (args.no_stream or args.json)
@@ -222,7 +242,7 @@ def generate(args, prompts, model, tokenizer, device):
         out = {"prompts": prompts, "texts": [s.text for s in samples], "stats": report}
         if len(prompts) == 1:
             out = {"prompt": prompts[0], **out}
-        print(json.dumps(out))
+        print(json_text(out))
     else:
         printer.update()
     if args.stats:
@@ -292,6 +312,9 @@ def score(model, tokenizer, text, device):
         nll = torch.nn.functional.cross_entropy(logits, ids[begin + 1:end + 1], reduction="none")
         total_nats += nll[done - begin:].sum().item()  # only targets not scored before
         done, begin = end, end - block // 2
+    if not math.isfinite(total_nats):  # activations overflowed (float16 has a small range)
+        raise UserError(f"the model's loss on this text is {total_nats} (its activations overflow "
+                        "in this dtype); try --dtype float32")
     return {"chars": len(text), "tokens": n_targets, "nats_per_token": total_nats / n_targets,
             "bits_per_char": total_nats / math.log(2) / len(text)}
 
@@ -313,7 +336,7 @@ def main():
         return generate(args, prompts, model, tokenizer, device)
     result = score(model, tokenizer, text, device)
     if args.json:
-        print(json.dumps(result))
+        print(json_text(result))
     else:
         print(f"{args.score}: {result['chars']:,} characters, {result['tokens']:,} tokens, "
               f"{result['nats_per_token']:.4f} nats/token, {result['bits_per_char']:.4f} bits/char")

@@ -17,12 +17,11 @@ export_hf.py goes the other way with the same helpers.
 import json
 from pathlib import Path
 
-import tiktoken
 import torch
 
-from base_model import GPTConfig
-from checkpoint import (CheckpointError, check_tokenizer_fits, clean_state_dict, describe,
-                        load_weights, read_checkpoint, split_checkpoint, tokenizer_from_spec)
+from checkpoint import build_model, clean_state_dict, describe, read_checkpoint, split_checkpoint
+from validation import (EOT, PYTHON_OBJECTS_PER_FILE_BYTE, CheckpointError, build_encoding,
+                        check_file_fits, check_tensors, config_from_dict, named_encoding, short_repr)
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Both are GELU's tanh approximation, which is what base_model.MLP computes.
@@ -31,12 +30,18 @@ TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 # writes it: the same splits. A BPE tokenizer with any other regex is not GPT-2-compatible.
 GPT2_PATTERNS = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
                  r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+# config.json's names for GPTConfig's fields
+HF_NAMES = {"block_size": "n_positions", "vocab_size": "vocab_size", "n_layer": "n_layer",
+            "n_head": "n_head", "n_embd": "n_embd"}
+CONFIG_JSON_MAX_BYTES = 1 << 20  # GPT-2's is 0.7 KB: a larger file is not a model config
 
 
 def swap_conv1d(state_dict):
     """Conv1D (in, out) <-> nn.Linear (out, in): a transpose, its own inverse, so import and
     export share it."""
-    return {k: v.t().contiguous() if k.endswith(CONV1D_WEIGHTS) else v for k, v in state_dict.items()}
+    # (a tensor of another rank is left as it is, for the shape check to name)
+    return {k: v.t().contiguous() if k.endswith(CONV1D_WEIGHTS) and v.dim() == 2 else v
+            for k, v in state_dict.items()}
 
 
 def byte_to_char():
@@ -56,10 +61,17 @@ def byte_to_char():
 
 # ---------------------------------------------------------------------------- config
 
-def read_json(file):
+def read_json(file, max_bytes=None):
+    """A JSON file's contents, after checking that parsing it fits in memory (and, for a
+    config, that it is not far larger than any config is)."""
+    size = file.stat().st_size
+    if max_bytes is not None and size > max_bytes:
+        raise CheckpointError(f"{file}: {size:,} bytes, too large for a {file.name} "
+                              f"(at most {max_bytes:,})")
+    check_file_fits(file, PYTHON_OBJECTS_PER_FILE_BYTE)
     try:
-        return json.loads(Path(file).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise CheckpointError(f"{file}: not readable JSON ({type(e).__name__})") from None
 
 
@@ -68,30 +80,31 @@ def read_config(path):
     file = path / "config.json"
     if not file.is_file():
         raise CheckpointError(f"{path}: no config.json, not a Hugging Face model directory")
-    hf = read_json(file)
+    hf = read_json(file, CONFIG_JSON_MAX_BYTES)
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{file}: holds a {type(hf).__name__}, expected a JSON object")
     if hf.get("model_type") != "gpt2":
-        raise CheckpointError(f"{path}: model_type is {hf.get('model_type')!r}, only 'gpt2' can be loaded")
-    try:
-        n_embd = hf["n_embd"]
-        config = GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
-                           n_head=hf["n_head"], n_embd=n_embd, dropout=0.0, bias=True)
-    except KeyError as e:
-        raise CheckpointError(f"{path}: config.json has no {e.args[0]!r}") from None
-    except ValueError as e:  # GPTConfig's own check (heads must divide n_embd)
-        raise CheckpointError(f"{path}: bad config.json: {e}") from None
+        raise CheckpointError(f"{path}: model_type is {short_repr(hf.get('model_type'))}, "
+                              "only 'gpt2' can be loaded")
+    fields = {ours: hf[theirs] for ours, theirs in HF_NAMES.items() if theirs in hf}
+    config = config_from_dict({**fields, "dropout": 0.0, "bias": True}, file, names=HF_NAMES)
     # (setting is wrong, why): each of these would make our forward compute something else.
     # reorder_and_upcast_attn is not here: it only computes the same attention in fp32.
     unsupported = [
         (hf.get("activation_function", "gelu_new") not in TANH_GELUS,
-         f"activation_function {hf.get('activation_function')!r}, ours is tanh GELU (gelu_new)"),
-        (hf.get("scale_attn_by_inverse_layer_idx", False),
-         "scale_attn_by_inverse_layer_idx is true, ours scales attention by 1/sqrt(head_dim) only"),
-        (not hf.get("scale_attn_weights", True), "scale_attn_weights is false, ours always scales"),
+         f"activation_function {short_repr(hf.get('activation_function'))}, ours is tanh GELU (gelu_new)"),
+        (hf.get("scale_attn_by_inverse_layer_idx", False) is not False,
+         "scale_attn_by_inverse_layer_idx is not false, ours scales attention by 1/sqrt(head_dim) only"),
+        (hf.get("scale_attn_weights", True) is not True,
+         "scale_attn_weights is not true, ours always scales"),
         (hf.get("layer_norm_epsilon", 1e-5) != 1e-5,
-         f"layer_norm_epsilon {hf.get('layer_norm_epsilon')}, ours is 1e-5"),
-        (hf.get("n_inner") not in (None, 4 * n_embd), f"n_inner {hf.get('n_inner')}, ours is 4 * n_embd"),
-        (hf.get("add_cross_attention", False), "add_cross_attention is true (an encoder-decoder)"),
-        (not hf.get("tie_word_embeddings", True), "tie_word_embeddings is false, ours ties lm_head to wte"),
+         f"layer_norm_epsilon {short_repr(hf.get('layer_norm_epsilon'))}, ours is 1e-5"),
+        (hf.get("n_inner") not in (None, 4 * config.n_embd),
+         f"n_inner {short_repr(hf.get('n_inner'))}, ours is 4 * n_embd"),
+        (hf.get("add_cross_attention", False) is not False,
+         "add_cross_attention is set (an encoder-decoder)"),
+        (hf.get("tie_word_embeddings", True) is not True,
+         "tie_word_embeddings is not true, ours ties lm_head to wte"),
     ]
     for wrong, why in unsupported:
         if wrong:
@@ -110,11 +123,16 @@ def read_weights(path):
         except ImportError:
             raise CheckpointError(f"{st_file}: reading .safetensors needs the safetensors package "
                                   "(pip install safetensors)") from None
+        # safetensors checks that every tensor its header declares lies inside the file,
+        # so the file's size bounds what load_file allocates
+        check_file_fits(st_file)
         try:
-            return load_file(st_file)
+            state_dict = load_file(st_file)
         except Exception as e:  # a truncated or foreign file fails in several ways
             raise CheckpointError(
                 f"{st_file}: not a readable safetensors file ({type(e).__name__})") from None
+        check_tensors(state_dict, st_file)
+        return state_dict
     if bin_file.is_file():
         # torch.load(weights_only=True) with one-line errors, as for our own checkpoints
         return split_checkpoint(read_checkpoint(bin_file), bin_file)[0]
@@ -123,87 +141,151 @@ def read_weights(path):
     raise CheckpointError(f"{path}: no model.safetensors or pytorch_model.bin")
 
 
-def to_our_state_dict(hf_state_dict, path):
+def to_our_state_dict(hf_state_dict):
     """HF's key names and layouts -> base_model.GPT's."""
     sd = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v
           for k, v in hf_state_dict.items()}
-    wte, head = sd.get("transformer.wte.weight"), sd.get("lm_head.weight")
-    if wte is not None and head is not None and not torch.equal(wte, head):
-        raise CheckpointError(f"{path}: lm_head.weight differs from wte.weight; ours ties them")
     return clean_state_dict(swap_conv1d(sd))
 
 
 # ---------------------------------------------------------------------------- tokenizer
 
-def bpe_from_files(path):
-    """(vocab {str: id}, merges [(a, b)], special names) from vocab.json + merges.txt, or from
-    tokenizer.json (what newer transformers save); None when the directory has neither."""
+def read_tokenizer_files(path):
+    """(vocab, merges, declared special names, add_prefix_space) as the files hold them
+    (checked in encoding_from_bpe), from vocab.json + merges.txt, or from tokenizer.json
+    (what newer transformers save); None when the directory has neither."""
     if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
         vocab = read_json(path / "vocab.json")
-        lines = (path / "merges.txt").read_text(encoding="utf-8").splitlines()
-        merges = [tuple(line.split()) for line in lines if line.strip() and not line.startswith("#version")]
+        merges_file = path / "merges.txt"
+        check_file_fits(merges_file, PYTHON_OBJECTS_PER_FILE_BYTE)
+        try:
+            lines = merges_file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{merges_file}: not readable UTF-8 text ({type(e).__name__})") from None
+        merges = [line.split() for line in lines if line.strip() and not line.startswith("#version")]
         config_file = path / "tokenizer_config.json"
         config = read_json(config_file) if config_file.is_file() else {}
-        return vocab, merges, set(), config.get("add_prefix_space", False)
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{config_file}: holds a {type(config).__name__}, expected a JSON object")
+        return vocab, merges, declared_specials(config), config.get("add_prefix_space", False)
     if (path / "tokenizer.json").is_file():
-        tok = read_json(path / "tokenizer.json")
-        model, pre = tok.get("model") or {}, tok.get("pre_tokenizer") or {}
-        if model.get("type") != "BPE" or pre.get("type") != "ByteLevel" or not pre.get("use_regex", True):
-            raise CheckpointError(f"{path}: tokenizer.json is not GPT-2's byte-level BPE")
-        merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-        specials = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
-        return {**model["vocab"], **specials}, merges, set(specials), pre.get("add_prefix_space", False)
+        return parse_tokenizer_json(read_json(path / "tokenizer.json"), path / "tokenizer.json")
     return None
 
 
-def tokenizer_from_files(path):
-    """A tiktoken.Encoding equal to the directory's GPT-2-style BPE tokenizer.
+def declared_specials(config):
+    """Token names tokenizer_config.json declares special (bos/eos/unk/pad, the additional
+    ones, added_tokens_decoder): strings, or {'content': string}."""
+    def content(value):
+        return value.get("content") if isinstance(value, dict) else value
+    named = [config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")]
+    extra = config.get("additional_special_tokens")
+    decoder = config.get("added_tokens_decoder")
+    named += extra if isinstance(extra, list) else []
+    named += list(decoder.values()) if isinstance(decoder, dict) else []
+    return {name for name in map(content, named) if isinstance(name, str)}
+
+
+def parse_tokenizer_json(tok, source):
+    """(vocab, merges, special names, add_prefix_space) from tokenizer.json's structure."""
+    model = tok.get("model") if isinstance(tok, dict) else None
+    pre = tok.get("pre_tokenizer") if isinstance(tok, dict) else None
+    if (not isinstance(model, dict) or not isinstance(pre, dict) or model.get("type") != "BPE"
+            or pre.get("type") != "ByteLevel" or pre.get("use_regex", True) is not True):
+        raise CheckpointError(f"{source}: not GPT-2's byte-level BPE (model.type BPE, "
+                              "pre_tokenizer.type ByteLevel)")
+    added = tok.get("added_tokens", [])
+    if not isinstance(added, list) or not all(isinstance(t, dict) and isinstance(t.get("content"), str)
+                                              and type(t.get("id")) is int for t in added):
+        raise CheckpointError(f"{source}: added_tokens must be a list of {{'content': str, 'id': int}}")
+    vocab = model.get("vocab")
+    if not isinstance(vocab, dict):
+        raise CheckpointError(f"{source}: model.vocab must be a JSON object {{token: id}}")
+    merges = model.get("merges")
+    if not isinstance(merges, list):
+        raise CheckpointError(f"{source}: model.merges must be a list")
+    merges = [m.split(" ") if isinstance(m, str) else m for m in merges]
+    specials = {t["content"]: t["id"] for t in added}
+    return {**vocab, **specials}, merges, set(specials), pre.get("add_prefix_space", False)
+
+
+def encoding_from_bpe(vocab, merges, specials, name, source):
+    """A tiktoken.Encoding equal to a GPT-2-style BPE given as HF stores it, or one line
+    saying where the files do not fit together.
 
     tiktoken stores BPE as token bytes -> rank and merges the adjacent pair whose joined
     bytes rank lowest; HF stores merges in priority order. They agree when ids are ranks:
     the 256 byte tokens, then merge i's result at a higher id than merge i-1's, which is how
     GPT-2's files (and any BPE trained in order) are laid out; other layouts are refused.
-    Every other vocab entry (<|endoftext|>) becomes a special token."""
-    found = bpe_from_files(path)
+    The merges must produce the vocabulary: an entry that is neither a byte, nor a merge's
+    result, nor declared special (or <|endoftext|>) means the files do not belong together."""
+    if not isinstance(vocab, dict) or not all(isinstance(t, str) and t and type(i) is int and i >= 0
+                                              for t, i in vocab.items()):
+        raise CheckpointError(f"{source}: the vocabulary must map token strings to ids >= 0, "
+                              f"got {short_repr(vocab)}")
+    if len(set(vocab.values())) != len(vocab):
+        raise CheckpointError(f"{source}: two vocabulary entries share an id")
+    to_byte = {c: b for b, c in byte_to_char().items()}
+    ranks = {}
+    for b, c in byte_to_char().items():
+        if c not in vocab:
+            raise CheckpointError(f"{source}: the vocabulary has no token for byte {b} ({c!r})")
+        ranks[bytes([b])] = vocab[c]
+    produced, last_id = set(to_byte), max(ranks.values())  # token strings that are accounted for
+    for merge in merges:
+        if (not isinstance(merge, (list, tuple)) or len(merge) != 2
+                or not all(isinstance(part, str) and part for part in merge)):
+            raise CheckpointError(f"{source}: merge {short_repr(merge)} is not two tokens")
+        a, b = merge
+        missing = next((t for t in (a, b, a + b) if t not in vocab), None)
+        if missing is not None:
+            raise CheckpointError(f"{source}: merge {a!r} + {b!r} uses or makes {missing!r}, which "
+                                  "is not in the vocabulary: the vocabulary and merges disagree")
+        if a + b in produced:
+            raise CheckpointError(f"{source}: two merges make {a + b!r}; tiktoken cannot reproduce that")
+        if vocab[a + b] <= last_id:
+            raise CheckpointError(f"{source}: tokens are not numbered in merge order "
+                                  f"({a + b!r}); tiktoken cannot reproduce it")
+        ranks[bytes(to_byte[ch] for ch in a + b)] = last_id = vocab[a + b]
+        produced.add(a + b)
+    special = {t: i for t, i in vocab.items() if t not in produced}
+    unexplained = next((t for t in special if t not in specials and t != EOT), None)
+    if unexplained is not None:
+        raise CheckpointError(f"{source}: vocabulary entry {unexplained!r} (id {vocab[unexplained]}) "
+                              "is made by no merge and declared special by no file: "
+                              "the vocabulary and merges do not belong together")
+    return build_encoding(name, GPT2_PATTERNS[0], ranks, special, source)
+
+
+def tokenizer_from_files(path):
+    """The directory's own GPT-2-style BPE tokenizer as a tiktoken.Encoding, or None when
+    it has no tokenizer files."""
+    found = read_tokenizer_files(path)
     if found is None:
         return None
     vocab, merges, specials, prefix_space = found
-    if prefix_space:  # HF would prepend a space before encoding; tiktoken cannot
+    if prefix_space is not False:  # HF would prepend a space before encoding; tiktoken cannot
         raise CheckpointError(f"{path}: the tokenizer sets add_prefix_space, GPT-2's does not")
-    to_byte = {c: b for b, c in byte_to_char().items()}
-    try:
-        ranks = {bytes([b]): vocab[c] for b, c in byte_to_char().items()}
-        byte_ids = set(ranks.values())
-        merge_ids = []
-        for a, b in merges:
-            ranks[bytes(to_byte[ch] for ch in a + b)] = vocab[a + b]
-            merge_ids.append(vocab[a + b])
-    except (KeyError, ValueError) as e:
-        raise CheckpointError(f"{path}: vocab and merges disagree ({e!r} missing): "
-                              "not a GPT-2 byte-level BPE") from None
-    if merge_ids != sorted(set(merge_ids)) or merge_ids and merge_ids[0] <= max(byte_ids):
-        raise CheckpointError(f"{path}: tokens are not numbered in merge order; tiktoken cannot reproduce it")
-    used = set(ranks.values())
-    special = {t: i for t, i in vocab.items() if i not in used or t in specials}
-    return tiktoken.Encoding(name=f"{path.name}-bpe", pat_str=GPT2_PATTERNS[0],
-                             mergeable_ranks=ranks, special_tokens=special)
+    return encoding_from_bpe(vocab, merges, specials, f"{path.name}-bpe", path)
 
 
 # ---------------------------------------------------------------------------- loading
 
 def load_hf_model(cls, path, device="cpu", dtype=torch.float32, report=print):
     """Build `cls` (GPT or KVCacheGPT) from a Hugging Face GPT-2 directory: (model, tokenizer).
-    Same contract as checkpoint.load_model: fp32 load, then cast; one line to `report`."""
+    Same contract and the same checks as checkpoint.load_model: fp32 load, then cast; one
+    line to `report`."""
+    if str(path) == "":
+        raise CheckpointError("empty path given for --hf (an unset shell variable?)")
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}; "
                               "--hf expects a Hugging Face GPT-2 directory (config.json + weights)")
     config = read_config(path)
-    model = cls(config)
-    load_weights(model, to_our_state_dict(read_weights(path), path), path)
+    state_dict = to_our_state_dict(read_weights(path))
     # without its own tokenizer files a GPT-2 directory uses GPT-2's: tiktoken's 'gpt2'
-    tokenizer = tokenizer_from_files(path) or tokenizer_from_spec({"encoding": "gpt2"}, path)
-    check_tokenizer_fits(tokenizer, config, path)
+    tokenizer = tokenizer_from_files(path) or named_encoding("gpt2", path)
+    model = build_model(cls, config, state_dict, tokenizer, path)
     report(f"loaded Hugging Face GPT-2 {path} ({describe(model)}, "
            f"tokenizer {tokenizer.name}, {tokenizer.n_vocab} tokens)")
     return model.to(device=device, dtype=dtype).eval(), tokenizer

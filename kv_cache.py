@@ -15,12 +15,14 @@ Run `python kv_cache.py` for the demo: parity with a full forward, speed, cache 
 
 import time
 
+# cli first, before torch: Ctrl-C during the slow imports then ends quietly (see cli.py)
+from cli import (ArgumentParser, add_model_args, load_from_args, positive_int,
+                 prepare_for_generation, run)
+
 import torch
 import torch.nn.functional as F
 
 from base_model import GPT, CausalSelfAttention, GenerationStats
-from cli import (ArgumentParser, add_model_args, load_from_args, positive_int,
-                 prepare_for_generation, run)
 from compiled_decode import compiled_decode_step
 from sample import check_sampling_args, sample
 

@@ -6,6 +6,8 @@ both print the same text and stop at the same place.
 
 import codecs
 
+from stop_strings import StopString
+
 
 class SampleText:
     """The text of one sample, built token by token.
@@ -16,7 +18,8 @@ class SampleText:
     held back too, until it is clear that it is not one."""
 
     def __init__(self, tokenizer, stops, stop_at_eot=True):
-        self.tokenizer, self.stops, self.stop_at_eot = tokenizer, stops, stop_at_eot
+        self.tokenizer, self.stop_at_eot = tokenizer, stop_at_eot
+        self.stops = [StopString(s) for s in stops]  # each reads every new character once
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text, self.tokens, self.done = "", 0, False
 
@@ -25,18 +28,18 @@ class SampleText:
             self.done = True
             return
         self.tokens += 1
-        # a stop string can only be found where the new piece of text touches it
-        start = max(0, len(self.text) - max(map(len, self.stops), default=0))
-        self.text += self.decoder.decode(self.tokenizer.decode_single_token_bytes(token))
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        piece = self.decoder.decode(self.tokenizer.decode_single_token_bytes(token))
+        start = len(self.text)
+        self.text += piece
+        # where each stop string's first match begins, if this piece completed one
+        hits = [start + end - len(s.stop) for s in self.stops if (end := s.feed(piece)) is not None]
         if hits:
             self.text = self.text[:min(hits)]
             self.done = True
 
     def ready(self):
-        """How many characters can be shown now."""
+        """How many characters can be shown now: all but the end of the text that is the
+        start of a stop string."""
         if self.done:
             return len(self.text)
-        held = max((n for s in self.stops for n in range(1, len(s)) if self.text.endswith(s[:n])),
-                   default=0)
-        return len(self.text) - held
+        return len(self.text) - max((s.matched for s in self.stops), default=0)

@@ -1,6 +1,7 @@
 """The shared loader: accepted layouts, and one clear line for every broken file."""
 
 import pytest
+import tiktoken
 import torch
 
 from base_model import GPT
@@ -115,18 +116,31 @@ def test_pickle_that_runs_code_is_refused_before_it_runs(tmp_path):
 
 def test_tokenizer_larger_than_model_vocab_is_refused(tmp_path):
     spec = byte_tokenizer_spec()
-    spec["special_tokens"] = {"<|endoftext|>": 256, "<|x|>": 400}
+    spec["special_tokens"] = {"<|endoftext|>": 256, **{f"<|x{i}|>": 257 + i for i in range(10)}}
     path = tmp_path / "tok.pt"
     torch.save({"model": tiny_model(CONFIG).state_dict(), "config": vars(CONFIG).copy(), "tokenizer": spec}, path)
-    with pytest.raises(CheckpointError, match="tokenizer has 401 tokens but the model only 260"):
+    with pytest.raises(CheckpointError, match="tokenizer has 267 tokens but the model only 260"):
         load_model(GPT, path, report=lambda _: None)
 
 
-def test_unavailable_named_encoding_gives_one_line(tmp_path, monkeypatch):
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-cache"))
+def test_unknown_named_encoding_gives_one_line(tmp_path):
     path = tmp_path / "named.pt"
     torch.save({"model": tiny_model(CONFIG).state_dict(), "config": vars(CONFIG).copy(),
                 "tokenizer": {"encoding": "no_such_encoding_xyz"}}, path)
-    with pytest.raises(CheckpointError, match="no_such_encoding_xyz.*TIKTOKEN_CACHE_DIR") as e:
+    with pytest.raises(CheckpointError, match="unknown tiktoken encoding 'no_such_encoding_xyz'") as e:
+        load_model(GPT, path, report=lambda _: None)
+    assert "\n" not in str(e.value)
+
+
+def test_unavailable_named_encoding_gives_one_line(tmp_path, monkeypatch):
+    """tiktoken fetches its encodings on first use; offline that fails (here: simulated,
+    so that the test never touches the network)."""
+    def offline(name):
+        raise ConnectionError("Failed to resolve 'openaipublic.blob.core.windows.net'\nmore")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    path = tmp_path / "named.pt"
+    torch.save({"model": tiny_model(CONFIG).state_dict(), "config": vars(CONFIG).copy(),
+                "tokenizer": {"encoding": "r50k_base"}}, path)
+    with pytest.raises(CheckpointError, match="r50k_base.*offline.*TIKTOKEN_CACHE_DIR") as e:
         load_model(GPT, path, report=lambda _: None)
     assert "\n" not in str(e.value)

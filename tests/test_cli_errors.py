@@ -1,5 +1,7 @@
 """Every user mistake: exit status 2, one line on stderr naming the problem, no traceback."""
 
+import importlib.util
+import os
 import subprocess
 import sys
 
@@ -7,7 +9,7 @@ import pytest
 import torch
 
 from checkpoint import ROOT
-from conftest import TINY_CONFIGS, tiny_model
+from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
 
 
 class Exploit:
@@ -25,6 +27,17 @@ def files(tmp_path_factory):
     (d / "cut.pt").write_bytes((d / "good.pt").read_bytes()[:2000])
     torch.save({"model": Exploit()}, d / "evil.pt")
     torch.save({"model": {"transformer.wte.weight": torch.zeros(3, 3)}, "config": {}}, d / "partial.pt")
+    state = tiny_model(TINY_CONFIGS[0]).state_dict()
+    config = vars(TINY_CONFIGS[0]).copy()
+    nan = dict(state, **{"transformer.ln_f.weight": torch.full((32,), float("nan"))})
+    for name, obj in {"tiny": {"model": state, "config": config, "tokenizer": byte_tokenizer_spec()},
+                      "nan": {"model": nan, "config": config, "tokenizer": byte_tokenizer_spec()},
+                      "heads0": {"model": state, "config": config | {"n_head": 0}},
+                      "context1e6": {"model": state, "config": config | {"block_size": 10 ** 6}},
+                      "no_eot": {"model": state, "config": config,
+                                 "tokenizer": byte_tokenizer_spec() | {"special_tokens": {}}}}.items():
+        torch.save(obj, d / f"{name}.pt")
+    os.mkfifo(d / "fifo.pt")  # opening it would wait for a writer forever
     return d
 
 
@@ -63,21 +76,55 @@ CASES = [  # (script, args, what the error line must mention)
     ("kv_cache.py", ["--tokens", "0"], "--tokens"),
     ("kv_cache.py", ["--ckpt", "{d}/missing.pt"], "no such file"),
     ("kv_cache.py", ["--device", "tpu"], "--device"),
+    # found by the hostile-input pass (issue 15): each was a traceback, a hang, a silent
+    # fallback or silently wrong output before
+    ("generate.py", ["--ckpt", ""], "empty path"),
+    ("generate.py", ["--hf", ""], "empty path"),
+    ("generate.py", ["--seed", "-1"], "--seed"),
+    ("generate.py", ["--seed", str(2 ** 32)], "--seed"),
+    ("generate.py", ["--ckpt", "{d}/nan.pt"], "NaN"),
+    ("generate.py", ["--ckpt", "{d}/heads0.pt"], "n_head must be a positive integer"),
+    ("generate.py", ["--ckpt", "{d}/context1e6.pt"], "would need"),
+    ("generate.py", ["--ckpt", "{d}/no_eot.pt"], "no <|endoftext|> token"),
+    ("generate.py", ["--ckpt", "{d}/fifo.pt"], "not a regular file"),
+    ("generate.py", ["--ckpt", "{d}/" + "x" * 300], "File name too long"),
+    ("generate.py", ["--ckpt", "{d}/two\nlines.pt"], "two\\nlines.pt: no such file"),
+    ("generate.py", ["--prompt", b"caf\xe9"], "--prompt: not UTF-8"),
+    ("generate.py", ["--stop", b"\xff"], "--stop: not UTF-8"),
+    ("generate.py", ["--num-samples", "100000000", "--ckpt", "{d}/tiny.pt"], "would need"),
+    ("benchmark.py", ["--quick", "--lengths", "5000"], "does not fit"),
+    ("benchmark.py", ["--quick", "--prompt-tokens", "5000"], "--prompt-tokens"),
+    ("benchmark.py", ["--quick", "--demo-tokens", "1"], "--demo-tokens"),
+    ("benchmark.py", ["--quick", "--naive-check", "-1"], "--naive-check"),
+    ("benchmark.py", ["--quick", "--json", "{d}/good.pt"], "not written by kvcache-gpt"),
+    ("benchmark.py", ["--quick", "--json", ""], "empty path"),
+    ("benchmark.py", ["--quick", "--json", "{d}/good.pt/out.json"], "is a file, not a folder"),
+    ("export_hf.py", ["{d}/good.pt", ""], "empty path"),
+    ("export_hf.py", ["{d}/good.pt", "{d}/good.pt/out"], "is a file, not a folder"),
+    ("export_hf.py", ["{d}/nan.pt", "{d}/export"], "NaN"),
 ]
+if importlib.util.find_spec("matplotlib") is None:  # found before the run, not after it
+    CASES.append(("benchmark.py", ["--quick", "--plot", "{d}/new.png"], "needs matplotlib"))
 if not torch.cuda.is_available():
     CASES.append(("generate.py", ["--device", "cuda"], "no CUDA GPU"))
 if not torch.backends.mps.is_available():
     CASES.append(("kv_cache.py", ["--device", "mps"], "Metal"))
 
 
-@pytest.mark.parametrize("script, args, mention", CASES,
-                         ids=[f"{s}:{' '.join(a)}".replace("{d}", "") for s, a, _ in CASES])
+def case_id(script, args):
+    return f"{script}:{' '.join(a if isinstance(a, str) else repr(a) for a in args)}".replace("{d}", "")[:80]
+
+
+@pytest.mark.parametrize("script, args, mention", CASES, ids=[case_id(s, a) for s, a, _ in CASES])
 def test_bad_input_exits_2_with_one_line(files, script, args, mention):
-    args = [a.replace("{d}", str(files)) for a in args]
+    args = [a.replace("{d}", str(files)) if isinstance(a, str) else a for a in args]
+    before = {p.name: p.read_bytes() for p in files.iterdir() if p.is_file()}
     proc = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True,
                           text=True, timeout=120, stdin=subprocess.DEVNULL)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("loaded ")]
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert mention in lines[0]
     assert "code ran at load time" not in proc.stdout
+    assert {p.name: p.read_bytes() for p in files.iterdir() if p.is_file()} == before  # nothing lost
+    assert not (files / "export").exists()  # no half-written export left behind

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from base_model import GPTConfig
-from checkpoint import tokenizer_from_spec
+from validation import encoding_from_spec
 from conftest import byte_tokenizer_spec, tiny_model
 from serving.engine import Engine, SamplingParams
 from serving.paged_cache import BlockPool
 
 CONFIG = GPTConfig(block_size=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
-TOKENIZER = tokenizer_from_spec(byte_tokenizer_spec(), "bytes")
+TOKENIZER = encoding_from_spec(byte_tokenizer_spec(), "bytes")
 GREEDY = dict(temperature=0, stop_at_eot=False)
 
 

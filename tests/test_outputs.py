@@ -1,0 +1,152 @@
+"""Outputs (cli.py): checked before any work, never over a file that is not ours, written
+so that a failure (a full disk, Ctrl-C) leaves the old file and no debris behind."""
+
+import errno
+import json
+import os
+
+import pytest
+
+import cli
+from cli import UserError, check_output_path, json_text, new_directory, write_atomically
+from conftest import TINY_CONFIGS, tiny_model
+from checkpoint import save_checkpoint
+
+
+def refused(path, kind, words):
+    with pytest.raises(UserError, match=words) as info:
+        check_output_path(path, kind)
+    assert "\n" not in str(info.value)
+
+
+def test_output_paths_that_must_be_refused(tmp_path):
+    ckpt = tmp_path / "model.pt"
+    save_checkpoint(ckpt, tiny_model(TINY_CONFIGS[0]))
+    (tmp_path / "notes.json").write_text('{"mine": true}')
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    refused("", "json", "empty path")
+    refused(ckpt, "json", "exists and was not written by kvcache-gpt")  # benchmark --json over a checkpoint
+    refused(tmp_path / "notes.json", "json", "not written by kvcache-gpt")
+    refused(ckpt / "out.json", "json", "is a file, not a folder")
+    refused(ckpt / "deeper" / "out.json", "json", "is a file, not a folder")
+    refused(tmp_path / ("x" * 300 + ".json"), "json", "a name of 305 characters")
+    refused(tmp_path / "full", "json", "is a directory")
+    refused(tmp_path / "full", "dir", "not an empty directory")
+    refused(ckpt, "dir", "not an empty directory")
+    refused(ckpt, "png", "not written by kvcache-gpt as png")
+    refused(ckpt, "gguf", "not written by kvcache-gpt as gguf")
+
+
+def test_output_paths_that_are_fine(tmp_path):
+    ours = tmp_path / "ours.json"
+    ours.write_text(json_text({"x": 1}, generator="benchmark.py"))
+    (tmp_path / "empty.json").write_text("")
+    (tmp_path / "plot.png").write_bytes(b"\x89PNG\r\n\x1a\n....tEXtSoftware\0kvcache-gpt benchmark.py")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF\x03\0\0\0 general.name kvcache-gpt")
+    (tmp_path / "empty_dir").mkdir()
+    for path, kind in [(ours, "json"), (tmp_path / "empty.json", "json"), (tmp_path / "new" / "a.json", "json"),
+                       (tmp_path / "plot.png", "png"), (tmp_path / "model.gguf", "gguf"),
+                       (tmp_path / "empty_dir", "dir"), (tmp_path / "new_dir", "dir"), (os.devnull, "json")]:
+        assert check_output_path(path, kind) == type(ours)(path)
+
+
+def test_write_atomically_replaces_ours(tmp_path):
+    path = tmp_path / "sub" / "r.json"
+    write_atomically(path, json_text({"a": 1}, generator="test"))
+    write_atomically(path, lambda tmp: open(tmp, "w").write(json_text({"a": 2}, generator="test")))
+    assert json.loads(path.read_text())["a"] == 2 and os.listdir(path.parent) == ["r.json"]
+    mode = path.stat().st_mode & 0o777
+    assert mode == 0o666 & ~cli.umask()  # a normal file, not mkstemp's private 0600
+    write_atomically(os.devnull, "streams are written directly")
+
+
+@pytest.mark.parametrize("where", ["fsync", "writer"])
+def test_full_disk_leaves_the_old_file_and_no_debris(tmp_path, monkeypatch, where):
+    path = tmp_path / "r.json"
+    path.write_text("old")
+
+    def disk_full(*_):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if where == "fsync":
+        monkeypatch.setattr(cli.os, "fsync", disk_full)
+        data = "new" * 1000
+    else:
+        def data(tmp):
+            open(tmp, "w").write("half of it")
+            disk_full()
+    with pytest.raises(UserError, match="No space left on device.*nothing was written") as info:
+        write_atomically(path, data)
+    assert "\n" not in str(info.value)
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["r.json"]
+
+
+def test_interrupted_write_leaves_no_debris(tmp_path):
+    def interrupted(tmp):
+        open(tmp, "w").write("half")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(tmp_path / "r.json", interrupted)
+    assert os.listdir(tmp_path) == []
+
+
+def test_new_directory_appears_complete_or_not_at_all(tmp_path):
+    out = tmp_path / "export"
+    with pytest.raises(RuntimeError):
+        with new_directory(out) as tmp:
+            (tmp / "config.json").write_text("{}")
+            raise RuntimeError("the export failed half-way")
+    assert os.listdir(tmp_path) == []
+    with new_directory(out) as tmp:  # the next attempt is not blocked
+        (tmp / "config.json").write_text("{}")
+    assert os.listdir(out) == ["config.json"] and os.listdir(tmp_path) == ["export"]
+    (tmp_path / "empty").mkdir()
+    with new_directory(tmp_path / "empty") as tmp:  # an empty folder is replaced
+        (tmp / "a").write_text("a")
+    assert os.listdir(tmp_path / "empty") == ["a"]
+
+
+def test_new_directory_on_a_full_disk(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(UserError, match="No space left on device"):
+        with new_directory(tmp_path / "export") as tmp:
+            (tmp / "model.safetensors").write_bytes(b"x" * 100)
+    assert os.listdir(tmp_path) == []
+
+
+def test_json_text_is_always_valid_json():
+    def no_constants(name):
+        raise AssertionError(f"{name} is not JSON")
+    text = json_text({"rate": float("inf"), "loss": float("nan"), "xs": [1.5, float("-inf")], 3: (2, 1.0)})
+    assert json.loads(text, parse_constant=no_constants) == {"rate": None, "loss": None, "xs": [1.5, None], "3": [2, 1.0]}
+    assert json.loads(json_text({"a": 1}, generator="benchmark.py"))["generator"] == "kvcache-gpt benchmark.py"
+
+
+def test_failed_export_leaves_nothing_behind(tmp_path, tiny_ckpt, monkeypatch):
+    """A disk that fills while the weights are written: no half-written OUT_DIR that would
+    block the next attempt ("exists and is not empty"), and the next attempt succeeds."""
+    import export_hf
+
+    def full_disk(state_dict, out_dir, use_safetensors=None):
+        (out_dir / "model.safetensors").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    out = tmp_path / "hf"
+    with monkeypatch.context() as m:
+        m.setattr(export_hf, "write_weights", full_disk)
+        with pytest.raises(UserError, match="No space left on device"):
+            export_hf.export(tiny_ckpt, out, report=lambda _: None)
+    assert sorted(os.listdir(tmp_path)) == ["tiny.pt"]
+    export_hf.export(tiny_ckpt, out, report=lambda _: None)
+    assert {"config.json", "vocab.json", "merges.txt"} <= set(os.listdir(out))
+
+
+def test_benchmark_plot_is_marked_ours(tmp_path):
+    """benchmark.py's PNG carries the mark that lets the next run replace it."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    import benchmark
+    curve = {"total_s": {4: {"median": 1.0}, 8: {"median": 2.0}}, "latency_ms": {4: 1.0, 8: 2.0}}
+    report = {"cost_curves": {"shape": "tiny", "lengths": [4, 8], "curves": {k: curve for k in benchmark.KINDS}},
+              "machine": "test", "date": "today"}
+    path = tmp_path / "plot.png"
+    benchmark.plot(report, check_output_path(path, "png"), plt)
+    assert check_output_path(path, "png") == path and os.listdir(tmp_path) == ["plot.png"]
