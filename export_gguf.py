@@ -4,7 +4,7 @@ and with it ollama, LM Studio and llama-cpp-python:
 
     python export_gguf.py [CKPT] OUT.gguf [--outtype f32|f16|q8_0] [--force]
     python export_gguf.py --hf DIR OUT.gguf
-    llama-cli -m OUT.gguf -p "ROMEO:" -n 100
+    llama-completion -m OUT.gguf -p "ROMEO:" -n 100     (llama.cpp; older builds: llama-cli)
 
 GGUF is llama.cpp's single-file format: key-value metadata (the architecture's shape,
 the tokenizer) followed by the tensors. It is written here with `gguf`, the format's own
@@ -44,7 +44,7 @@ GLOBAL_TENSORS = {"transformer.wte": "TOKEN_EMBD", "transformer.wpe": "POS_EMBD"
 
 
 def import_gguf():
-    """The gguf package, imported only here: nothing else in the suite needs it."""
+    """The gguf package, imported only when a file is written: nothing else needs it."""
     try:
         import gguf
     except ImportError:
@@ -71,7 +71,8 @@ def encode_tensor(name, array, outtype, gguf):
     kernels expect them so), and q8_0 falls back to f16 for a tensor whose rows are not a
     whole number of 32-value blocks (q8_0 stores one scale per block of a row)."""
     types = gguf.GGMLQuantizationType
-    if outtype == "f32" or array.ndim == 1 or name.startswith("position_embd"):
+    positions = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.POS_EMBD]
+    if outtype == "f32" or array.ndim == 1 or name.startswith(positions):
         return array, types.F32
     block_size = gguf.GGML_QUANT_SIZES[types.Q8_0][0]
     if outtype == "q8_0" and array.shape[-1] % block_size == 0:

@@ -79,11 +79,16 @@ def transformers_peer(shape, ours, device, n, reps):
 # ---------------------------------------------------------------------------- llama.cpp
 
 def llama_cpp_missing():
-    """None when llama-cpp-python imports, else one line saying how to install it."""
+    """None when llama-cpp-python and gguf (which writes the files) import, else one line
+    saying how to install what is missing."""
     try:
         import llama_cpp  # noqa: F401  (optional: only this peer and its tests need it)
     except ImportError:
         return f"skipped: llama-cpp-python is not installed; {INSTALL_LLAMA_CPP}"
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        return "skipped: the gguf package is not installed; pip install -r requirements-dev.txt"
     return None
 
 
