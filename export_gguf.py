@@ -2,7 +2,7 @@
 Our checkpoint (or a Hugging Face GPT-2 directory) -> one GGUF file that llama.cpp runs,
 and with it ollama, LM Studio and llama-cpp-python:
 
-    python export_gguf.py [CKPT] OUT.gguf [--outtype f32|f16|q8_0] [--force]
+    python export_gguf.py [CKPT] OUT.gguf [--outtype f32|f16|q8_0]
     python export_gguf.py --hf DIR OUT.gguf
     llama-completion -m OUT.gguf -p "ROMEO:" -n 100     (llama.cpp; older builds: llama-cli)
 
@@ -34,6 +34,10 @@ from export_hf import gpt2_state_dict, gpt2_tokenizer_files
 
 OUTTYPES = ("f32", "f16", "q8_0")
 GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
+# Written into every file's first metadata (general.description), so that a later export
+# recognises a file it may replace; a GGUF downloaded from elsewhere never carries it.
+MARK = "kvcache-gpt"
+HEAD_BYTES = 64 << 10  # the mark sits within the first few hundred bytes; read no more
 # PyTorch's nn.LayerNorm default, which base_model uses; llama.cpp has no default for it
 LAYER_NORM_EPS = 1e-5
 # base_model's parameter name -> llama.cpp's tensor (gguf.MODEL_TENSOR), per block and global
@@ -117,6 +121,7 @@ def gguf_vocab(tokenizer, vocab_size, gguf):
 def add_metadata(writer, model, tokenizer, outtype, name, gguf):
     c = model.config
     writer.add_name(name)
+    writer.add_description(f"exported by {MARK} export_gguf.py")
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -157,22 +162,22 @@ def write_gguf(path, model, tokenizer, outtype, name):
     return counts
 
 
-def check_output(out, force):
-    """The overwrite rule: OUT must end in .gguf; an existing file is replaced only when it
-    is a GGUF file and --force is given. A typo can then never destroy a checkpoint (say
-    `export_gguf.py ckpt.pt` with the output forgotten) or anything else."""
+def check_output(out):
+    """The overwrite rule: OUT must end in .gguf, and an existing file is replaced only when
+    it is empty or a GGUF file this script wrote (it carries MARK). A slip of the hand can
+    then never destroy a checkpoint (`export_gguf.py ckpt.pt`, the output forgotten), a
+    GGUF model downloaded from elsewhere, or anything else. Checked before any work."""
     if out.suffix != ".gguf":
         raise UserError(f"{out}: the output file must end in .gguf")
     if out.is_dir():
         raise UserError(f"{out}: is a directory; give a file name ending in .gguf")
-    if not out.exists():
+    if not out.exists() or out.stat().st_size == 0:
         return
     with open(out, "rb") as f:
-        is_gguf = f.read(4) == GGUF_MAGIC
-    if not is_gguf:
-        raise UserError(f"{out}: exists and is not a GGUF file; refusing to overwrite it")
-    if not force:
-        raise UserError(f"{out}: exists; pass --force to replace it")
+        head = f.read(HEAD_BYTES)
+    if not (head.startswith(GGUF_MAGIC) and MARK.encode() in head):
+        raise UserError(f"{out}: exists and was not written by {MARK}'s export_gguf.py; "
+                        "remove it or choose another name")
 
 
 def write_atomically(out, write):
@@ -188,10 +193,10 @@ def write_atomically(out, write):
         tmp.unlink(missing_ok=True)
 
 
-def export(source, out, outtype="f32", hf=False, force=False, report=print):
+def export(source, out, outtype="f32", hf=False, report=print):
     """Export a checkpoint (or, with hf=True, a Hugging Face GPT-2 directory) to OUT.gguf."""
     out = Path(out)
-    check_output(out, force)
+    check_output(out)
     import_gguf()  # a missing package is reported before the model is loaded
     load = load_model
     if hf:
@@ -210,17 +215,16 @@ def main():
     # argparse fills a leading optional positional only when both are given
     parser.add_argument("ckpt", nargs="?", metavar="CKPT", help="checkpoint file (default: "
                         "checkpoints/ckpt_sft.pt, then ckpt_base.pt, then the bundled model)")
-    parser.add_argument("out", metavar="OUT.gguf", help="output file, ending in .gguf")
+    parser.add_argument("out", metavar="OUT.gguf", help="output file, ending in .gguf; an existing "
+                        "one is replaced only if an earlier export wrote it")
     parser.add_argument("--hf", metavar="DIR", help="export a local Hugging Face GPT-2 directory instead")
     parser.add_argument("--outtype", choices=OUTTYPES, default="f32",
                         help="f32: exact; f16: half the size; q8_0: 8-bit blocks, about a quarter "
                         "(norms, biases and positions stay f32) (default: f32)")
-    parser.add_argument("--force", action="store_true",
-                        help="replace OUT.gguf if it exists (only ever a GGUF file is replaced)")
     args = parser.parse_args()
     if args.hf and args.ckpt:
         raise UserError("give either CKPT or --hf DIR, not both")
-    export(args.hf or args.ckpt, args.out, args.outtype, hf=bool(args.hf), force=args.force)
+    export(args.hf or args.ckpt, args.out, args.outtype, hf=bool(args.hf))
 
 
 if __name__ == "__main__":

@@ -112,6 +112,7 @@ def test_metadata_llama_cpp_needs(bpe_ckpt, tmp_path, config):
     assert types[260:] == [token_type.UNUSED] * (config.vocab_size - 260)  # padding rows
     assert fields["tokenizer.ggml.bos_token_id"] == fields["tokenizer.ggml.eos_token_id"] == 259
     assert fields["tokenizer.ggml.add_bos_token"] is False
+    assert "kvcache-gpt" in fields["general.description"]  # how a later export knows it may replace it
 
 
 def test_bundled_tokenizer_round_trips(tmp_path):
@@ -175,22 +176,22 @@ def test_tokenizer_that_cannot_be_expressed(tmp_path):
 
 
 def test_overwrite_rules(tmp_path):
+    """Only an empty file or an earlier export is ever replaced: never a checkpoint, a text
+    file, or a GGUF model that came from elsewhere."""
     ckpt = tmp_path / "tiny.pt"
     save_checkpoint(ckpt, tiny_model(TINY_CONFIGS[0]), bpe_tokenizer_spec())
-    other = tmp_path / "notes.gguf"
-    other.write_text("not a GGUF file")
-    with pytest.raises(UserError, match="not a GGUF file"):
-        export(ckpt, other, report=quiet, force=True)
-    assert other.read_text() == "not a GGUF file"  # never touched, even with --force
     with pytest.raises(UserError, match="must end in .gguf"):
-        export(ckpt, tmp_path / "tiny.pt.out", report=quiet)
+        export(ckpt, ckpt, report=quiet)  # `export_gguf.py tiny.pt`: the output forgotten
+    foreign = {"notes.gguf": b"not a GGUF file", "downloaded.gguf": b"GGUF\x03\x00\x00\x00 someone else's model"}
+    for name, content in foreign.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(UserError, match="not written by kvcache-gpt"):
+            export(ckpt, tmp_path / name, report=quiet)
+        assert (tmp_path / name).read_bytes() == content
     out = tmp_path / "tiny.gguf"
+    out.touch()  # an empty file holds nothing to lose
     export(ckpt, out, report=quiet)
-    first = out.read_bytes()
-    with pytest.raises(UserError, match="--force"):
-        export(ckpt, out, "f16", report=quiet)
-    assert out.read_bytes() == first
-    export(ckpt, out, "f16", force=True, report=quiet)
+    export(ckpt, out, "f16", report=quiet)  # our own export: replaced
     assert read(out)[0]["general.file_type"] == gguf.LlamaFileType.MOSTLY_F16
 
 
@@ -199,18 +200,19 @@ def test_failure_leaves_no_file(tmp_path, monkeypatch):
     and an existing OUT is left as it was."""
     ckpt, out = tmp_path / "tiny.pt", tmp_path / "tiny.gguf"
     save_checkpoint(ckpt, tiny_model(TINY_CONFIGS[0]), bpe_tokenizer_spec())
+    export(ckpt, out, report=quiet)
+    before = out.read_bytes()
 
     def broken(*args, **kwargs):
         raise OSError("disk full")
     monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", broken)
     with pytest.raises(OSError, match="disk full"):
+        export(ckpt, out, "q8_0", report=quiet)
+    assert out.read_bytes() == before
+    out.unlink()
+    with pytest.raises(OSError, match="disk full"):
         export(ckpt, out, report=quiet)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.pt"]
-    out.write_bytes(b"GGUF and the rest of an older export")
-    with pytest.raises(OSError, match="disk full"):
-        export(ckpt, out, force=True, report=quiet)
-    assert out.read_bytes() == b"GGUF and the rest of an older export"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf", "tiny.pt"]
 
 
 def test_without_the_gguf_package(tmp_path, monkeypatch):
