@@ -31,6 +31,8 @@ from base_model import GPT, GPTConfig, store_linears_column_major
 from kv_cache import KVCacheGPT, cache_bytes_formula, synchronize
 from quantize import (INT4_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear, QuantizedLinear,
                       quantize_model)
+from peers import llama_cpp_missing, llama_cpp_peer, transformers_peer
+from timing import repeat, spread
 
 SHAPES = {  # random-weight models at a named shape
     "tiny": GPTConfig(block_size=256, vocab_size=4096, n_layer=6, n_head=4, n_embd=128),
@@ -62,16 +64,6 @@ def step_times(model, kind, prompt, n):
         synchronize(device)
         times.append(time.perf_counter() - t0)
     return times
-
-
-def spread(values):
-    """Median and min-max of repeated measurements."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def repeat(fn, reps):
-    fn()  # warm-up: first calls pay for allocations and kernel selection
-    return [fn() for _ in range(reps)]
 
 
 def tokens_per_second(model, kind, prompt, n, reps):
@@ -220,46 +212,25 @@ def batch_throughput(model, name, sizes, new_tokens, reps):
     return {"model": name, "sizes": rows}
 
 
-def peer(shape, device, n, reps):
-    """Hugging Face transformers' GPT2LMHeadModel.generate() on identical weights."""
-    try:
-        from transformers import GPT2Config, GPT2LMHeadModel
-    except ImportError:
-        return None
-    from export_hf import hf_config, hf_state_dict
-    ours = random_model(shape, device)
-    theirs = GPT2LMHeadModel(GPT2Config(**hf_config(ours.config, eot=0)))
-    theirs.load_state_dict(hf_state_dict(ours), strict=False)  # lm_head: tied to wte
-    theirs = theirs.to(device).eval()
-    prompt = torch.randint(ours.config.vocab_size, (1, 16), device=device,
-                           generator=torch.Generator(device).manual_seed(0))
-
-    def hf_generate(**kw):
-        with torch.inference_mode():
-            return theirs.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                   max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **kw)
-
-    def rate(fn):
-        def once():
-            synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            synchronize(device)
-            return n / (time.perf_counter() - t0)
-        return spread(repeat(once, reps))
-
-    ours_tokens = ours.generate(prompt, n, temperature=0)
-    result = {"shape": shape, "tokens": n,
-              "ours_tok_s": rate(lambda: ours.generate(prompt, n, temperature=0)),
-              "hf_tok_s": rate(hf_generate),
-              "greedy_tokens_match": torch.equal(ours_tokens, hf_generate())}
-    try:  # the static cache is newer, and not every version runs it on every device
-        result["hf_static_tok_s"] = rate(lambda: hf_generate(cache_implementation="static"))
-        result["static_tokens_match"] = torch.equal(ours_tokens, hf_generate(cache_implementation="static"))
-    except Exception as e:
-        result["hf_static_error"] = f"{type(e).__name__}: {str(e)[:100]}"
-    result["speedup_vs_hf"] = result["ours_tok_s"]["median"] / result["hf_tok_s"]["median"]
-    return result
+def peers(args, model, device, reps):
+    """The peers on identical weights (peers.py): transformers on the random shapes, and
+    llama.cpp on the loaded model and the same shapes. Each says in one line why it did not run."""
+    if args.no_peer:
+        return {"peer": None, "peer_note": "skipped (--no-peer)",
+                "llama_cpp": None, "llama_cpp_note": "skipped (--no-peer)"}
+    shapes = {s: random_model(s, device) for s in (["tiny"] if args.quick else ["tiny", "gpt2"])}
+    r = {"peer": [transformers_peer(s, m, device, args.demo_tokens, reps) for s, m in shapes.items()],
+         "peer_note": None, "llama_cpp": None}
+    if None in r["peer"]:
+        r["peer"], r["peer_note"] = None, "skipped: transformers is not installed (pip install -r requirements-dev.txt)"
+    r["llama_cpp_note"] = llama_cpp_missing() or (
+        f"skipped: this llama.cpp build runs on the CPU, the benchmark on {device.type}; use --device cpu"
+        if device.type != "cpu" else None)
+    if r["llama_cpp_note"] is None:
+        checkpoint = args.ckpt or args.hf or "the default checkpoint"
+        models = [(checkpoint, model)] + [(f"{s} shape", m) for s, m in shapes.items()]
+        r["llama_cpp"] = [llama_cpp_peer(label, m, args.demo_tokens, reps) for label, m in models]
+    return r
 
 
 # ---------------------------------------------------------------------------- quantization
@@ -458,6 +429,21 @@ def print_report(r):
         print(f"{p['shape']}: ours {fmt_spread(p['ours_tok_s'])} tok/s | HF {fmt_spread(p['hf_tok_s'])} "
               f"tok/s | HF static cache {static} | ours / HF {p['speedup_vs_hf']:.2f}x | "
               f"greedy tokens match: {p['greedy_tokens_match']}")
+    print("\n## Peer: llama.cpp (llama-cpp-python), identical weights (GGUF), timed in turns with ours")
+    rows = r["llama_cpp"]
+    if not rows:
+        print(r["llama_cpp_note"])
+        return
+    kinds = list(rows[0]["llama_cpp"])
+    print(f"| model | ours tok/s | {' | '.join(f'llama.cpp {t} tok/s' for t in kinds)} | "
+          f"ours / llama.cpp f32 | greedy tokens as ours ({', '.join(kinds)}) |")
+    print("|---" * (len(kinds) + 4) + "|")
+    for p in rows:
+        llama = p["llama_cpp"].values()
+        print(f"| {p['model']} ({p['params_m']:.2f}M) | {fmt_spread(p['ours_tok_s'])} | "
+              + " | ".join(fmt_spread(v["tok_s"]) for v in llama)
+              + f" | {p['ours_over_llama_cpp_f32']:.2f}x | "
+              + ", ".join(f"{v['greedy_tokens_matched']}/{p['tokens']}" for v in llama) + " |")
 
 
 def print_quantization(results, floor):
@@ -570,7 +556,8 @@ def main():
                    "together (default: 1,2,4,8,16,32; with --quick 1,4,16)")
     p.add_argument("--batch-tokens", type=positive_int, default=64,
                    help="new tokens per row in the batch table (default: 64)")
-    p.add_argument("--no-peer", action="store_true", help="skip the transformers comparison")
+    p.add_argument("--no-peer", action="store_true",
+                   help="skip the peers (transformers and llama.cpp on identical weights)")
     p.add_argument("--no-quantization", action="store_true",
                    help="skip the weight formats table (fp32, bf16, int8, int4)")
     p.add_argument("--compile", action="store_true",
@@ -603,14 +590,7 @@ def main():
     r["batch"] = [batch_throughput(model, "checkpoint", sizes, args.batch_tokens, reps),
                   batch_throughput(random_model(args.shape, device), f"{args.shape} shape",
                                    sizes, args.batch_tokens, reps)]
-    r["peer"] = None
-    if args.no_peer:
-        r["peer_note"] = "skipped (--no-peer)"
-    else:
-        shapes = ["tiny"] if args.quick else ["tiny", "gpt2"]
-        results = [peer(s, device, args.demo_tokens, reps) for s in shapes]
-        r["peer"] = None if None in results else results
-        r["peer_note"] = "skipped: transformers is not installed (pip install -r requirements-dev.txt)"
+    r.update(peers(args, model, device, reps))
     if not args.no_quantization:
         r["quantization"] = quantization(args, model, tokenizer, device, reps)
     r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -38,18 +38,23 @@ def hf_config(config, eot):
     }
 
 
-def hf_state_dict(model):
-    """Our state dict in GPT2LMHeadModel's layout. lm_head is left out (HF ties it to wte,
-    and safetensors refuses one tensor saved twice); GPT-2 always has biases, so a model
-    trained without them gets zeros, which computes exactly the same thing."""
-    # contiguous: our Linear weights are stored column-major, safetensors wants plain tensors
+def gpt2_state_dict(model):
+    """Our state dict as every GPT-2 file has it: fp32, contiguous, lm_head left out (it is
+    tied to wte; safetensors refuses one tensor saved twice) and every bias present. GPT-2
+    always has biases, so a model trained without them gets zeros, which compute the same."""
+    # contiguous: our Linear weights are stored column-major, file writers want plain tensors
     sd = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()
           if k != "lm_head.weight"}
     if not model.config.bias:
         for name, module in model.named_modules():
             if isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm)) and name != "lm_head":
                 sd[f"{name}.bias"] = torch.zeros(module.weight.size(0))
-    return swap_conv1d(sd)
+    return sd
+
+
+def hf_state_dict(model):
+    """Our state dict in GPT2LMHeadModel's layout (Conv1D weights are (in, out))."""
+    return swap_conv1d(gpt2_state_dict(model))
 
 
 def write_weights(state_dict, out_dir, use_safetensors=None):

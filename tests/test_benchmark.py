@@ -3,6 +3,9 @@
 import json
 import subprocess
 import sys
+from argparse import Namespace
+
+import torch
 
 from checkpoint import ROOT
 
@@ -39,3 +42,23 @@ def test_bad_lengths_exit_2():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--lengths", "0,5"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_peers_report_what_ran():
+    """The peer section at tiny sizes: a note only for a peer that did not run (each says
+    how to install what it needs), rows with their greedy-token comparison for one that did."""
+    from benchmark import peers, random_model
+    from peers import llama_cpp_missing
+    args = Namespace(no_peer=False, quick=True, demo_tokens=8, ckpt="tiny", hf=None)
+    r = peers(args, random_model("tiny", torch.device("cpu")), torch.device("cpu"), reps=1)
+    try:
+        import transformers  # noqa: F401
+        assert r["peer_note"] is None and r["peer"][0]["tokens"] == 8
+    except ImportError:
+        assert r["peer"] is None and "pip install" in r["peer_note"]
+    if llama_cpp_missing():
+        assert r["llama_cpp"] is None and "requirements-llama.txt" in r["llama_cpp_note"]
+    else:
+        assert r["llama_cpp_note"] is None
+        assert [row["model"] for row in r["llama_cpp"]] == ["tiny", "tiny shape"]
+        assert set(r["llama_cpp"][0]["llama_cpp"]) == {"f32", "f16", "q8_0"}

@@ -1,0 +1,231 @@
+"""
+Our checkpoint (or a Hugging Face GPT-2 directory) -> one GGUF file that llama.cpp runs,
+and with it ollama, LM Studio and llama-cpp-python:
+
+    python export_gguf.py [CKPT] OUT.gguf [--outtype f32|f16|q8_0]
+    python export_gguf.py --hf DIR OUT.gguf
+    llama-completion -m OUT.gguf -p "ROMEO:" -n 100     (llama.cpp; older builds: llama-cli)
+
+GGUF is llama.cpp's single-file format: key-value metadata (the architecture's shape,
+the tokenizer) followed by the tensors. It is written here with `gguf`, the format's own
+Python library (pip install gguf), straight from the model object the loaders return, so
+nothing goes through Hugging Face files or llama.cpp's conversion scripts. What llama.cpp's
+'gpt2' architecture reads (its src/models/gpt2.cpp and llama-vocab.cpp):
+  - gpt2.context_length, embedding_length, feed_forward_length, block_count,
+    attention.head_count, attention.layer_norm_epsilon;
+  - our weights under its tensor names, in our own nn.Linear (out, in) layout, which is
+    ggml's too; every bias (GPT-2 always has them); no output.weight, so that llama.cpp
+    ties the output projection to token_embd, as we do;
+  - the tokenizer as GPT-2's byte-level BPE: tokens (one per id), token types, merges in
+    priority order, the 'gpt-2' pre-tokenizer (GPT-2's regex) and end-of-text as BOS/EOS,
+    so that llama.cpp turns text into exactly our ids.
+"""
+
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from base_model import GPT
+from checkpoint import load_model
+from cli import ArgumentParser, UserError, run
+from export_hf import gpt2_state_dict, gpt2_tokenizer_files
+
+OUTTYPES = ("f32", "f16", "q8_0")
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
+# Written into every file's first metadata (general.description), so that a later export
+# recognises a file it may replace; a GGUF downloaded from elsewhere never carries it.
+MARK = "kvcache-gpt"
+HEAD_BYTES = 64 << 10  # the mark sits within the first few hundred bytes; read no more
+# PyTorch's nn.LayerNorm default, which base_model uses; llama.cpp has no default for it
+LAYER_NORM_EPS = 1e-5
+# base_model's parameter name -> llama.cpp's tensor (gguf.MODEL_TENSOR), per block and global
+BLOCK_TENSORS = {"ln_1": "ATTN_NORM", "attn.c_attn": "ATTN_QKV", "attn.c_proj": "ATTN_OUT",
+                 "ln_2": "FFN_NORM", "mlp.c_fc": "FFN_UP", "mlp.c_proj": "FFN_DOWN"}
+GLOBAL_TENSORS = {"transformer.wte": "TOKEN_EMBD", "transformer.wpe": "POS_EMBD",
+                  "transformer.ln_f": "OUTPUT_NORM"}
+
+
+def import_gguf():
+    """The gguf package, imported only when a file is written: nothing else needs it."""
+    try:
+        import gguf
+    except ImportError:
+        raise UserError("writing GGUF needs the gguf package: pip install gguf "
+                        "(or pip install -r requirements-dev.txt)") from None
+    return gguf
+
+
+# ---------------------------------------------------------------------------- tensors
+
+def gguf_name(key, gguf):
+    """'transformer.h.3.mlp.c_fc.weight' -> 'blk.3.ffn_up.weight' (names from the gguf package)."""
+    module, kind = key.rsplit(".", 1)  # kind: weight or bias
+    if module.startswith("transformer.h."):
+        block, part = module.removeprefix("transformer.h.").split(".", 1)
+        template = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[BLOCK_TENSORS[part]]]
+        return f"{template.format(bid=int(block))}.{kind}"
+    return f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[GLOBAL_TENSORS[module]]]}.{kind}"
+
+
+def encode_tensor(name, array, outtype, gguf):
+    """(data, ggml type) of one fp32 tensor in the chosen outtype. As llama.cpp's own
+    converter does, 1-D tensors (norms, biases) and the position table stay f32 (its
+    kernels expect them so), and q8_0 falls back to f16 for a tensor whose rows are not a
+    whole number of 32-value blocks (q8_0 stores one scale per block of a row)."""
+    types = gguf.GGMLQuantizationType
+    positions = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.POS_EMBD]
+    if outtype == "f32" or array.ndim == 1 or name.startswith(positions):
+        return array, types.F32
+    block_size = gguf.GGML_QUANT_SIZES[types.Q8_0][0]
+    if outtype == "q8_0" and array.shape[-1] % block_size == 0:
+        return gguf.quants.quantize(array, types.Q8_0), types.Q8_0
+    return array.astype(np.float16), types.F16
+
+
+def gguf_tensors(model, outtype, gguf):
+    """Yield (gguf name, data, ggml type) for every tensor llama.cpp's gpt2 graph reads."""
+    for key, tensor in gpt2_state_dict(model).items():
+        name = gguf_name(key, gguf)
+        yield (name, *encode_tensor(name, tensor.numpy(), outtype, gguf))
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+def gguf_vocab(tokenizer, vocab_size, gguf):
+    """(tokens, token types, merges) for llama.cpp's GPT-2 BPE, one token per embedding row.
+
+    export_hf.gpt2_tokenizer_files recovers GPT-2's text form (each byte as a visible
+    character, 'Ġ' for a space) and the merge list from tiktoken's ranks. Ids the tokenizer
+    does not use (rows that pad the embedding table) become unused placeholder tokens:
+    llama.cpp wants exactly one token per row."""
+    vocab, merges = gpt2_tokenizer_files(tokenizer)
+    if vocab is None:
+        raise UserError(f"tokenizer {tokenizer.name} cannot be written for llama.cpp: {merges}")
+    if not merges:  # llama.cpp refuses a BPE without merges, the gguf package an empty array
+        raise UserError(f"tokenizer {tokenizer.name} cannot be written for llama.cpp: it has no "
+                        "merges (bytes only), and llama.cpp's GPT-2 tokenizer needs at least one")
+    by_id = {i: text for text, i in vocab.items()}
+    specials = set(tokenizer._special_tokens.values())
+    kinds = gguf.TokenType
+    tokens, types = [], []
+    for i in range(vocab_size):
+        tokens.append(by_id.get(i, f"[PAD{i}]"))
+        types.append(kinds.CONTROL if i in specials else kinds.NORMAL if i in by_id else kinds.UNUSED)
+    return tokens, types, merges
+
+
+# ---------------------------------------------------------------------------- the file
+
+def add_metadata(writer, model, tokenizer, outtype, name, gguf):
+    c = model.config
+    writer.add_name(name)
+    writer.add_description(f"exported by {MARK} export_gguf.py")
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_context_length(c.block_size)
+    writer.add_embedding_length(c.n_embd)
+    writer.add_feed_forward_length(4 * c.n_embd)
+    writer.add_block_count(c.n_layer)
+    writer.add_head_count(c.n_head)
+    writer.add_layer_norm_eps(LAYER_NORM_EPS)
+    tokens, types, merges = gguf_vocab(tokenizer, c.vocab_size, gguf)
+    writer.add_tokenizer_model("gpt2")  # llama.cpp's name for GPT-2-style byte-level BPE
+    writer.add_tokenizer_pre("gpt-2")   # ... and for GPT-2's pre-tokenisation regex
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_add_bos_token(False)  # GPT-2 starts a text with nothing; neither do we
+    eot = tokenizer._special_tokens.get("<|endoftext|>")
+    if eot is not None:  # without one, llama.cpp falls back to its own default ids
+        writer.add_bos_token_id(eot)
+        writer.add_eos_token_id(eot)
+
+
+def write_gguf(path, model, tokenizer, outtype, name):
+    """Write the whole file to `path`; returns how many tensors of each ggml type it holds."""
+    gguf = import_gguf()
+    writer = gguf.GGUFWriter(path, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPT2])
+    try:
+        add_metadata(writer, model, tokenizer, outtype, name, gguf)
+        counts = Counter()
+        for tensor_name, data, ggml_type in gguf_tensors(model, outtype, gguf):
+            writer.add_tensor(tensor_name, data, raw_dtype=ggml_type)
+            counts[ggml_type.name] += 1
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    return counts
+
+
+def check_output(out):
+    """The overwrite rule: OUT must end in .gguf, and an existing file is replaced only when
+    it is empty or a GGUF file this script wrote (it carries MARK). A slip of the hand can
+    then never destroy a checkpoint (`export_gguf.py ckpt.pt`, the output forgotten), a
+    GGUF model downloaded from elsewhere, or anything else. Checked before any work."""
+    if out.suffix != ".gguf":
+        raise UserError(f"{out}: the output file must end in .gguf")
+    if out.is_dir():
+        raise UserError(f"{out}: is a directory; give a file name ending in .gguf")
+    if not out.exists() or out.stat().st_size == 0:
+        return
+    with open(out, "rb") as f:
+        head = f.read(HEAD_BYTES)
+    if not (head.startswith(GGUF_MAGIC) and MARK.encode() in head):
+        raise UserError(f"{out}: exists and was not written by {MARK}'s export_gguf.py; "
+                        "remove it or choose another name")
+
+
+def write_atomically(out, write):
+    """write(tmp_path) into a hidden file beside OUT, then rename it over OUT: the rename is
+    atomic, so OUT is either the old file or the whole new one, never half of one, and a
+    failure (or Ctrl-C) leaves nothing behind."""
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        result = write(tmp)
+        os.replace(tmp, out)
+        return result
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def export(source, out, outtype="f32", hf=False, report=print):
+    """Export a checkpoint (or, with hf=True, a Hugging Face GPT-2 directory) to OUT.gguf."""
+    out = Path(out)
+    check_output(out)
+    import_gguf()  # a missing package is reported before the model is loaded
+    load = load_model
+    if hf:
+        from hf_gpt2 import load_hf_model as load
+    model, tokenizer = load(GPT, source, report=report)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    counts = write_atomically(out, lambda tmp: write_gguf(tmp, model, tokenizer, outtype, out.stem))
+    tensors = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+    report(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB; tensors: {tensors}; "
+           f"tokenizer {tokenizer.name} as GPT-2 BPE, {model.config.vocab_size} tokens)")
+
+
+def main():
+    parser = ArgumentParser(description="Export a checkpoint (or --hf DIR) as one GGUF file for "
+                            "llama.cpp, ollama, LM Studio and llama-cpp-python.")
+    # argparse fills a leading optional positional only when both are given
+    parser.add_argument("ckpt", nargs="?", metavar="CKPT", help="checkpoint file (default: "
+                        "checkpoints/ckpt_sft.pt, then ckpt_base.pt, then the bundled model)")
+    parser.add_argument("out", metavar="OUT.gguf", help="output file, ending in .gguf; an existing "
+                        "one is replaced only if an earlier export wrote it")
+    parser.add_argument("--hf", metavar="DIR", help="export a local Hugging Face GPT-2 directory instead")
+    parser.add_argument("--outtype", choices=OUTTYPES, default="f32",
+                        help="f32: exact; f16: half the size; q8_0: 8-bit blocks, about a quarter "
+                        "(norms, biases and positions stay f32) (default: f32)")
+    args = parser.parse_args()
+    if args.hf and args.ckpt:
+        raise UserError("give either CKPT or --hf DIR, not both")
+    export(args.hf or args.ckpt, args.out, args.outtype, hf=bool(args.hf))
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,154 @@
+"""
+The systems people actually use, measured on identical weights next to ours:
+Hugging Face transformers (GPT2LMHeadModel.generate) and llama.cpp, the C++ engine behind
+ollama and LM Studio (through its Python binding, llama-cpp-python). benchmark.py calls
+these and prints the results.
+
+Each peer gets our exact weights (transformers through export_hf's state dict, llama.cpp
+through a GGUF file written by export_gguf), the same prompt, the same length and greedy
+decoding, and its tokens are compared with ours: a speed figure means little if the
+two models are not computing the same thing.
+"""
+
+import itertools
+import tempfile
+import time
+from pathlib import Path
+
+import tiktoken
+import torch
+
+from kv_cache import synchronize
+from timing import alternate, repeat, spread
+
+PROMPT_TOKENS = 16
+LLAMA_OUTTYPES = ("f32", "f16", "q8_0")  # f32 is the like-for-like one; the others for reference
+INSTALL_LLAMA_CPP = ("pip install -r requirements-llama.txt (llama-cpp-python builds llama.cpp "
+                     "from source: about 12 minutes on 2 cores)")
+
+
+def random_prompt(vocab_size, device="cpu"):
+    """The same 16 random tokens for every contestant (1, 16)."""
+    return torch.randint(vocab_size, (1, PROMPT_TOKENS), device=device,
+                         generator=torch.Generator(device).manual_seed(0))
+
+
+# ---------------------------------------------------------------------------- transformers
+
+def transformers_peer(shape, ours, device, n, reps):
+    """Hugging Face transformers' GPT2LMHeadModel.generate() on identical weights; None
+    when transformers is not installed."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        return None
+    from export_hf import hf_config, hf_state_dict
+    theirs = GPT2LMHeadModel(GPT2Config(**hf_config(ours.config, eot=0)))
+    theirs.load_state_dict(hf_state_dict(ours), strict=False)  # lm_head: tied to wte
+    theirs = theirs.to(device).eval()
+    prompt = random_prompt(ours.config.vocab_size, device)
+
+    def hf_generate(**kw):
+        with torch.inference_mode():
+            return theirs.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                   max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **kw)
+
+    def rate(fn):
+        def once():
+            synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            return n / (time.perf_counter() - t0)
+        return spread(repeat(once, reps))
+
+    ours_tokens = ours.generate(prompt, n, temperature=0)
+    result = {"shape": shape, "tokens": n,
+              "ours_tok_s": rate(lambda: ours.generate(prompt, n, temperature=0)),
+              "hf_tok_s": rate(hf_generate),
+              "greedy_tokens_match": torch.equal(ours_tokens, hf_generate())}
+    try:  # the static cache is newer, and not every version runs it on every device
+        result["hf_static_tok_s"] = rate(lambda: hf_generate(cache_implementation="static"))
+        result["static_tokens_match"] = torch.equal(ours_tokens, hf_generate(cache_implementation="static"))
+    except Exception as e:
+        result["hf_static_error"] = f"{type(e).__name__}: {str(e)[:100]}"
+    result["speedup_vs_hf"] = result["ours_tok_s"]["median"] / result["hf_tok_s"]["median"]
+    return result
+
+
+# ---------------------------------------------------------------------------- llama.cpp
+
+def llama_cpp_missing():
+    """None when llama-cpp-python and gguf (which writes the files) import, else one line
+    saying how to install what is missing."""
+    try:
+        import llama_cpp  # noqa: F401  (optional: only this peer and its tests need it)
+    except ImportError:
+        return f"skipped: llama-cpp-python is not installed; {INSTALL_LLAMA_CPP}"
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        return "skipped: the gguf package is not installed; pip install -r requirements-dev.txt"
+    return None
+
+
+def placeholder_tokenizer():
+    """A GGUF file must carry a tokenizer, but the peer feeds token ids, never text: the
+    256 bytes and one merge stand in for any model's (random-weight shapes have none)."""
+    from hf_gpt2 import GPT2_PATTERNS
+    ranks = {bytes([b]): b for b in range(256)} | {b"  ": 256}
+    return tiktoken.Encoding(name="placeholder", pat_str=GPT2_PATTERNS[0], mergeable_ranks=ranks,
+                             special_tokens={})
+
+
+def load_llama(path, n_ctx, threads):
+    """llama.cpp on a GGUF file, CPU only, with its own log output silenced."""
+    from llama_cpp import Llama
+    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
+                 n_threads_batch=threads, n_gpu_layers=0, verbose=False)
+
+
+def llama_greedy(llm, prompt, n):
+    """n greedy tokens from llama.cpp (its own greedy sampler: the argmax of the logits)."""
+    llm.reset()  # a fresh context: nothing of the last run's prompt is reused
+    return list(itertools.islice(llm.generate(prompt, temp=0.0, repeat_penalty=1.0), n))
+
+
+def leading_matches(a, b):
+    """How many tokens two generations share before they first differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def llama_cpp_peer(label, ours, n, reps, outtypes=LLAMA_OUTTYPES):
+    """Our decode next to llama.cpp's on identical weights (exported to GGUF in a temporary
+    folder), timed in turns, same prompt, length and thread count. Tokens per second count
+    the whole generation, prefill included, for both. CPU only."""
+    from export_gguf import write_gguf
+    threads = torch.get_num_threads()
+    block_size = ours.config.block_size
+    n = min(n, block_size - PROMPT_TOKENS)  # learned positions end at block_size: no overflow
+    prompt = random_prompt(ours.config.vocab_size)
+    prompt_ids = prompt[0].tolist()
+    with tempfile.TemporaryDirectory() as folder:
+        engines, sizes = {}, {}
+        for outtype in outtypes:
+            path = Path(folder) / f"{outtype}.gguf"
+            write_gguf(path, ours, placeholder_tokenizer(), outtype, label)
+            sizes[outtype] = path.stat().st_size
+            engines[outtype] = load_llama(path, block_size, threads)
+        runs = {"ours": lambda: ours.generate(prompt, n, temperature=0)}
+        runs |= {t: (lambda llm=llm: llama_greedy(llm, prompt_ids, n)) for t, llm in engines.items()}
+        seconds = alternate(runs, reps)
+        ours_tokens = ours.generate(prompt, n, temperature=0)[0, PROMPT_TOKENS:].tolist()
+        llama = {t: {"tok_s": spread([n / s for s in seconds[t]]), "file_bytes": sizes[t],
+                     "greedy_tokens_matched": leading_matches(ours_tokens, llama_greedy(llm, prompt_ids, n))}
+                 for t, llm in engines.items()}
+        for llm in engines.values():
+            llm.close()  # before the folder (and the files it maps) goes
+    ours_rate = spread([n / s for s in seconds["ours"]])
+    result = {"model": label, "params_m": ours.num_params() / 1e6, "tokens": n,
+              "prompt_tokens": PROMPT_TOKENS, "threads": threads, "ours_tok_s": ours_rate,
+              "llama_cpp": llama}
+    if "f32" in llama:
+        result["ours_over_llama_cpp_f32"] = ours_rate["median"] / llama["f32"]["tok_s"]["median"]
+    return result

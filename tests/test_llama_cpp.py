@@ -1,0 +1,151 @@
+"""llama.cpp runs our exported GGUF files and computes what we compute.
+
+Needs llama-cpp-python (pip install -r requirements-llama.txt; it builds llama.cpp from
+source, so it is not in requirements-dev.txt): without it this file skips in one line.
+
+Tolerance: ATOL = 2e-2 on fp32 logits, 0.1% of their range (up to ~21 on the bundled
+model). llama.cpp runs the same mathematics in its own kernels, and two of them round more
+than fp32 does: it keeps the K/V cache in f16 by default (what its users run, so what is
+tested here), and its CPU GELU reads a precomputed f16 table. Measured on the bundled
+model's f32 file over a full 256-token context: max |diff| 8.4e-3 (2.9e-3 with an f32
+K/V cache, the GELU table's share); on the random HF GPT-2 below 1.5e-3. (Two fp32 PyTorch
+implementations agree to ~1e-6, tests/test_hf.py.) A real mapping error (an untransposed or
+misnamed tensor, a head split, a position offset, a missing bias) moves logits by O(1)
+and changes greedy text within a few tokens, which the 200-token comparisons catch.
+"""
+
+import pytest
+import torch
+
+from checkpoint import BUNDLED, load_model
+from export_gguf import export
+from kv_cache import KVCacheGPT
+from peers import llama_cpp_peer, llama_greedy
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: "
+                    "pip install -r requirements-llama.txt")
+pytest.importorskip("gguf", reason="gguf is not installed: pip install -r requirements-dev.txt")
+
+ATOL = 2e-2
+GEN_TOKENS = 200
+HELDOUT = BUNDLED.parent / "heldout.txt"
+
+
+def quiet(*_):
+    pass
+
+
+def report(what, value):
+    print(f"\n  {what}: {value}")
+
+
+def llama_logits(llm, ids):
+    """llama.cpp's logits at every position of `ids` (T, V), from a fresh context."""
+    llm.reset()
+    llm.eval(ids)
+    return torch.from_numpy(llm.scores[:len(ids)].copy())
+
+
+@pytest.fixture(scope="module")
+def bundled(tmp_path_factory):
+    """(our model, our tokenizer, {outtype: llama.cpp on its export}) for the bundled model."""
+    ours, enc = load_model(KVCacheGPT, BUNDLED, report=quiet)
+    folder = tmp_path_factory.mktemp("gguf")
+    engines = {}
+    for outtype in ("f32", "f16", "q8_0"):
+        export(BUNDLED, folder / f"bundled-{outtype}.gguf", outtype, report=quiet)
+        engines[outtype] = load_llama_all_logits(folder / f"bundled-{outtype}.gguf", ours.config.block_size)
+    yield ours, enc, engines
+    for llm in engines.values():
+        llm.close()
+
+
+def load_llama_all_logits(path, n_ctx):
+    from llama_cpp import Llama
+    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=torch.get_num_threads(),
+                 logits_all=True, verbose=False)
+
+
+# ---------------------------------------------------------------------------- the bundled model
+
+def test_bundled_logits_match(bundled):
+    """A held-out passage of a full context: every position's logits, f32 file."""
+    ours, enc, engines = bundled
+    ids = enc.encode_ordinary(HELDOUT.read_text(encoding="utf-8"))[:ours.config.block_size]
+    with torch.no_grad():
+        mine = ours(torch.tensor([ids]))[0][0]
+    diff = (mine - llama_logits(engines["f32"], ids)).abs().max().item()
+    report("max |logit diff| bundled f32, 256 positions", f"{diff:.2e}")
+    assert diff < ATOL
+
+
+@pytest.mark.parametrize("prompt", ["ROMEO:\n", "JULIET:\nO"])
+def test_bundled_greedy_matches(bundled, prompt):
+    ours, enc, engines = bundled
+    ids = enc.encode_ordinary(prompt)
+    with torch.no_grad():
+        mine = ours.generate(torch.tensor([ids]), GEN_TOKENS, temperature=0)[0, len(ids):].tolist()
+    theirs = llama_greedy(engines["f32"], ids, GEN_TOKENS)
+    assert theirs == mine
+    report(f"greedy {prompt!r}", f"{GEN_TOKENS} of {GEN_TOKENS} tokens equal")
+
+
+def test_tokenizes_heldout_like_us(bundled):
+    """The two plays the model never saw, through llama.cpp's own tokenizer: our ids."""
+    _, enc, engines = bundled
+    for text in [HELDOUT.read_text(encoding="utf-8"),
+                 "Café naïve\tand\r\n  then 🎭 汉字 \x00\x7f\u200b the end  \n\n\n x'll 12345 it's"]:
+        assert engines["f32"].tokenize(text.encode("utf-8"), add_bos=False, special=False) == enc.encode_ordinary(text)
+
+
+@pytest.mark.parametrize("outtype, worst, agree", [("f16", 0.5, 0.98), ("q8_0", 1.0, 0.95)])
+def test_lossy_files_stay_close(bundled, outtype, worst, agree):
+    """f16 and q8_0 change the weights (tests/test_gguf.py bounds by how much): the logits
+    move, but the model's choices barely: the argmax agrees with ours at most positions."""
+    ours, enc, engines = bundled
+    ids = enc.encode_ordinary(HELDOUT.read_text(encoding="utf-8"))[:ours.config.block_size]
+    with torch.no_grad():
+        mine = ours(torch.tensor([ids]))[0][0]
+    theirs = llama_logits(engines[outtype], ids)
+    diff = (mine - theirs).abs().max().item()
+    same = (mine.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    report(f"bundled {outtype}: max |logit diff| {diff:.2e}, argmax agrees at", f"{same:.1%} of positions")
+    assert diff < worst and same >= agree
+
+
+def test_benchmark_peer(bundled):
+    """benchmark.py's llama.cpp row on the bundled model: llama.cpp's greedy tokens are ours."""
+    ours, _, _ = bundled
+    row = llama_cpp_peer("bundled", ours, 40, reps=1, outtypes=("f32",))
+    assert row["llama_cpp"]["f32"]["greedy_tokens_matched"] == row["tokens"] == 40
+    assert row["ours_tok_s"]["median"] > 0 and row["ours_over_llama_cpp_f32"] > 0
+
+
+# ---------------------------------------------------------------------------- a Hugging Face GPT-2
+
+def test_hf_directory(tmp_path):
+    """A random GPT2LMHeadModel saved by transformers, exported with --hf: llama.cpp agrees
+    with our import of the same directory (3 heads; 263 tokens padded to 300 rows)."""
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -r requirements-dev.txt")
+    from hf_gpt2 import load_hf_model
+    from test_hf import HF_CONFIGS, make_hf_dir
+    hf_dir, out = tmp_path / "hf", tmp_path / "hf.gguf"
+    make_hf_dir(hf_dir, **HF_CONFIGS["48d-3heads-safetensors-sdpa"])
+    export(hf_dir, out, hf=True, report=quiet)
+    ours, enc = load_hf_model(KVCacheGPT, hf_dir, report=quiet)
+    llm = load_llama_all_logits(out, ours.config.block_size)
+    try:
+        ids = torch.randint(enc.n_vocab, (1, 100), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            mine = ours(ids)[0][0]
+        diff = (mine - llama_logits(llm, ids[0].tolist())).abs().max().item()
+        report("max |logit diff| HF GPT-2 directory", f"{diff:.2e}")
+        assert diff < ATOL
+        prompt = ids[0, :8].tolist()
+        with torch.no_grad():
+            greedy = ours.generate(torch.tensor([prompt]), 100, temperature=0)[0, 8:].tolist()
+        assert llama_greedy(llm, prompt, 100) == greedy
+        text = "the and then Café 🎭"
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == enc.encode_ordinary(text)
+    finally:
+        llm.close()
