@@ -21,23 +21,18 @@ nothing goes through Hugging Face files or llama.cpp's conversion scripts. What 
     so that llama.cpp turns text into exactly our ids.
 """
 
-import os
 from collections import Counter
-from pathlib import Path
+
+# cli first, before torch: Ctrl-C during the slow imports then ends quietly (see cli.py)
+from cli import MARK, ArgumentParser, UserError, check_output_path, run, write_atomically
 
 import numpy as np
 
 from base_model import GPT
 from checkpoint import load_model
-from cli import ArgumentParser, UserError, run
 from export_hf import gpt2_state_dict, gpt2_tokenizer_files
 
 OUTTYPES = ("f32", "f16", "q8_0")
-GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
-# Written into every file's first metadata (general.description), so that a later export
-# recognises a file it may replace; a GGUF downloaded from elsewhere never carries it.
-MARK = "kvcache-gpt"
-HEAD_BYTES = 64 << 10  # the mark sits within the first few hundred bytes; read no more
 # PyTorch's nn.LayerNorm default, which base_model uses; llama.cpp has no default for it
 LAYER_NORM_EPS = 1e-5
 # base_model's parameter name -> llama.cpp's tensor (gguf.MODEL_TENSOR), per block and global
@@ -121,6 +116,8 @@ def gguf_vocab(tokenizer, vocab_size, gguf):
 def add_metadata(writer, model, tokenizer, outtype, name, gguf):
     c = model.config
     writer.add_name(name)
+    # cli.MARK in the first metadata: a later export recognises a file it may replace
+    # (cli.check_output_path); a GGUF downloaded from elsewhere never carries it
     writer.add_description(f"exported by {MARK} export_gguf.py")
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype])
@@ -162,48 +159,20 @@ def write_gguf(path, model, tokenizer, outtype, name):
     return counts
 
 
-def check_output(out):
-    """The overwrite rule: OUT must end in .gguf, and an existing file is replaced only when
-    it is empty or a GGUF file this script wrote (it carries MARK). A slip of the hand can
-    then never destroy a checkpoint (`export_gguf.py ckpt.pt`, the output forgotten), a
-    GGUF model downloaded from elsewhere, or anything else. Checked before any work."""
-    if out.suffix != ".gguf":
-        raise UserError(f"{out}: the output file must end in .gguf")
-    if out.is_dir():
-        raise UserError(f"{out}: is a directory; give a file name ending in .gguf")
-    if not out.exists() or out.stat().st_size == 0:
-        return
-    with open(out, "rb") as f:
-        head = f.read(HEAD_BYTES)
-    if not (head.startswith(GGUF_MAGIC) and MARK.encode() in head):
-        raise UserError(f"{out}: exists and was not written by {MARK}'s export_gguf.py; "
-                        "remove it or choose another name")
-
-
-def write_atomically(out, write):
-    """write(tmp_path) into a hidden file beside OUT, then rename it over OUT: the rename is
-    atomic, so OUT is either the old file or the whole new one, never half of one, and a
-    failure (or Ctrl-C) leaves nothing behind."""
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        result = write(tmp)
-        os.replace(tmp, out)
-        return result
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def export(source, out, outtype="f32", hf=False, report=print):
     """Export a checkpoint (or, with hf=True, a Hugging Face GPT-2 directory) to OUT.gguf."""
-    out = Path(out)
-    check_output(out)
+    if not str(out).endswith(".gguf"):
+        raise UserError(f"{out}: the output file must end in .gguf")
+    # an existing file is replaced only when it is empty or an earlier export (it carries
+    # MARK): a slip of the hand (`export_gguf.py ckpt.pt`) can never destroy a checkpoint
+    out = check_output_path(out, "gguf")
     import_gguf()  # a missing package is reported before the model is loaded
     load = load_model
     if hf:
         from hf_gpt2 import load_hf_model as load
     model, tokenizer = load(GPT, source, report=report)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    counts = write_atomically(out, lambda tmp: write_gguf(tmp, model, tokenizer, outtype, out.stem))
+    counts = Counter()  # filled by the writer: a temporary file beside OUT, renamed over it
+    write_atomically(out, lambda tmp: counts.update(write_gguf(tmp, model, tokenizer, outtype, out.stem)))
     tensors = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
     report(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB; tensors: {tensors}; "
            f"tokenizer {tokenizer.name} as GPT-2 BPE, {model.config.vocab_size} tokens)")
