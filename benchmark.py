@@ -9,6 +9,7 @@ Batch 1 decoding reads every weight once per token, so its floor is the time to 
 all weights through a matrix-vector product; this measures that floor in the same run.
 """
 
+import copy
 import json
 import platform
 import resource
@@ -22,9 +23,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from base_model import GPT, GPTConfig, store_linears_column_major
+from base_model import GPT, GPTConfig, GenerationStats, store_linears_column_major
 from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
 from kv_cache import KVCacheGPT, cache_bytes_formula, synchronize
+from kv_quant import KV_DTYPES
 
 SHAPES = {  # random-weight models at a named shape
     "tiny": GPTConfig(block_size=256, vocab_size=4096, n_layer=6, n_head=4, n_embd=128),
@@ -214,6 +216,42 @@ def batch_throughput(model, name, sizes, new_tokens, reps):
     return {"model": name, "sizes": rows}
 
 
+@torch.inference_mode()
+def kv_dtype_latency(args, device, reps, steps=8):
+    """Per-token decode latency at a long context for each cache dtype (kv_quant.py), and
+    how much of it is reading the cache back (dequantizing, or casting to the model's dtype).
+    A prompt of args.kv_position tokens is prefilled once per dtype; for a batch of b rows
+    its cache is copied to b rows (as num_samples does), then `steps` decode steps are timed."""
+    model = random_model(args.shape, device)
+    position = min(args.kv_position, model.config.block_size - steps)
+    prompt = torch.zeros(1, position, dtype=torch.long, device=device)
+    result = {"shape": args.shape, "position": position, "steps": steps, "dtypes": {}}
+    for kv in KV_DTYPES:
+        prefilled = model.new_cache(1, kv)
+        model(prompt, prefilled, last_only=True)
+        result["dtypes"][kv] = rows = {}
+        for b in args.kv_batch_sizes:
+            def step_and_read_ms():
+                cache = copy.copy(prefilled)  # select_rows gives the copy its own tensors
+                cache.select_rows(torch.zeros(b, dtype=torch.long, device=device))
+                token, times = torch.zeros(b, 1, dtype=torch.long, device=device), []
+                for _ in range(steps):
+                    synchronize(device)
+                    t0 = time.perf_counter()
+                    model.decode_one(token, cache, GenerationStats())
+                    synchronize(device)
+                    times.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                for layer in range(len(cache)):
+                    cache[layer]  # what update() returns: every column, in the model's dtype
+                synchronize(device)
+                return 1e3 * statistics.median(times), 1e3 * (time.perf_counter() - t0)
+            runs = repeat(step_and_read_ms, reps)
+            rows[b] = {"step_ms": spread([r[0] for r in runs]), "read_back_ms": spread([r[1] for r in runs]),
+                       "cache_bytes": model.new_cache(b, kv).nbytes()}
+    return result
+
+
 def peer(shape, device, n, reps):
     """Hugging Face transformers' GPT2LMHeadModel.generate() on identical weights."""
     try:
@@ -313,6 +351,7 @@ def print_report(r):
             print(f"| {t['model']} | {b} | {fmt_spread(row['tok_s'])} | {row['vs_batch_1']:.1f}x | "
                   f"{fmt_spread(row['step_ms'])} | {row['cache_bytes_formula'] / 2**20:.1f} MiB | "
                   f"{row['cache_bytes_allocated'] / 2**20:.1f} MiB |")
+    print_kv_dtypes(r["kv_dtypes"])
     print("\n## Peer: transformers GPT2LMHeadModel.generate(), identical weights")
     if not r["peer"]:
         print(r.get("peer_note", "skipped"))
@@ -322,6 +361,18 @@ def print_report(r):
         print(f"{p['shape']}: ours {fmt_spread(p['ours_tok_s'])} tok/s | HF {fmt_spread(p['hf_tok_s'])} "
               f"tok/s | HF static cache {static} | ours / HF {p['speedup_vs_hf']:.2f}x | "
               f"greedy tokens match: {p['greedy_tokens_match']}")
+
+
+def print_kv_dtypes(k):
+    sizes = list(next(iter(k["dtypes"].values())))
+    print(f"\n## Cache dtypes: decode at position {k['position']} ({k['shape']} shape), ms per step "
+          "(reading the cache back: dequantize or cast, all layers)")
+    print("| kv dtype | " + " | ".join(f"batch {b}: ms/step | read back | cache allocated" for b in sizes) + " |")
+    print("|---|" + "---|---|---|" * len(sizes))
+    for kv, rows in k["dtypes"].items():
+        print(f"| {kv} | " + " | ".join(
+            f"{fmt_spread(rows[b]['step_ms'])} | {rows[b]['read_back_ms']['median']:.1f} | "
+            f"{rows[b]['cache_bytes'] / 2**20:.1f} MiB" for b in sizes) + " |")
 
 
 def plot(r, path):
@@ -375,6 +426,10 @@ def main():
                    "together (default: 1,2,4,8,16,32; with --quick 1,4,16)")
     p.add_argument("--batch-tokens", type=positive_int, default=64,
                    help="new tokens per row in the batch table (default: 64)")
+    p.add_argument("--kv-position", type=positive_int, help="context length at which each cache "
+                   "dtype's decode step is timed (default: 1000, quick 200; capped by the shape's context)")
+    p.add_argument("--kv-batch-sizes", type=int_list, default=[1, 16],
+                   help="batch sizes for the cache-dtype table (default: 1,16)")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers comparison")
     p.add_argument("--compile", action="store_true",
                    help="also time decoding with torch.compile (compiles for minutes on a CPU)")
@@ -384,6 +439,7 @@ def main():
     args.shape = args.shape or ("tiny" if args.quick else "gpt2")
     args.lengths = args.lengths or ([4, 32, 64, 128, 224] if args.quick else [4, 32, 64, 128, 256, 512, 1000])
     reps = args.reps or (1 if args.quick else 3)
+    args.kv_position = args.kv_position or (200 if args.quick else 1000)
     if args.naive_check is None:
         args.naive_check = 32 if args.quick else 128
 
@@ -399,6 +455,7 @@ def main():
     r["batch"] = [batch_throughput(model, "checkpoint", sizes, args.batch_tokens, reps),
                   batch_throughput(random_model(args.shape, device), f"{args.shape} shape",
                                    sizes, args.batch_tokens, reps)]
+    r["kv_dtypes"] = kv_dtype_latency(args, device, reps)
     r["peer"] = None
     if args.no_peer:
         r["peer_note"] = "skipped (--no-peer)"

@@ -8,6 +8,8 @@ through the KV cache, sample, stream the text, stop.
     python generate.py --prompt "ROMEO:" --prompt "JULIET:" --prompt "HAMLET:"   # one batch
     python generate.py --prompts-file prompts.jsonl --json
     python generate.py --score checkpoints/shakespeare/heldout.txt
+    python generate.py --prompt "ROMEO:" --kv-dtype int4 --stats    # a quantized cache
+    python generate.py --score checkpoints/shakespeare/heldout.txt --kv-dtype int8
 
 The token loop itself is KVCacheGPT.stream (kv_cache.py), or GPT.stream with --no-cache;
 this file turns its tokens into text and decides when each row stops. Several prompts are
@@ -22,10 +24,12 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 from base_model import GPT, GenerationStats
 from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
-from kv_cache import KVCacheGPT, cache_bytes_formula, synchronize
+from kv_cache import KVCacheGPT, synchronize
+from kv_quant import KV_DTYPES, cache_formula, dtype_name
 from sample import check_sampling_args
 
 
@@ -54,6 +58,9 @@ def parse_args():
                    help="do not stop at the end-of-text token (fixed-length runs)")
     p.add_argument("--no-cache", action="store_true",
                    help="the naive loop: re-run the whole context every step (for comparison)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, help="store the KV cache as this dtype "
+                   "(int8, int4: quantized, scales counted in --stats); attention still runs in "
+                   "--dtype (default: the model's dtype). With --score: score through the cache")
     p.add_argument("--no-stream", action="store_true", help="print once at the end")
     p.add_argument("--stats", action="store_true", help="timings and cache size, on stderr")
     p.add_argument("--json", action="store_true",
@@ -68,6 +75,8 @@ def parse_args():
         p.error("--stop: the stop string must not be empty")
     if (args.prompt or []).count("-") > 1:
         p.error("--prompt -: standard input can be read only once")
+    if args.kv_dtype and args.no_cache:
+        p.error("--kv-dtype: --no-cache keeps no cache to store; drop one of them")
     return args
 
 
@@ -225,7 +234,8 @@ def generate(args, prompts, model, tokenizer, device):
     if args.no_cache:
         tokens = model.stream(torch.tensor(ids, device=device), args.max_new_tokens, **loop_args)
     else:
-        tokens = model.stream(ids, args.max_new_tokens, finished=finished, **loop_args)
+        tokens = model.stream(ids, args.max_new_tokens, finished=finished,
+                              cache_kind=args.kv_dtype or "prealloc", **loop_args)
     steps, decoded, t_first = 0, 0, None
     for step_tokens in tokens:
         step_tokens = step_tokens[:, 0].tolist()  # .tolist() waits for the step to finish
@@ -276,14 +286,13 @@ def generation_stats(model, args, stats, ids, samples, steps, decoded, seconds, 
         "positions_processed": stats.positions_processed,
     }
     if not args.no_cache:  # the naive loop keeps no cache
-        c, positions = model.config, stats.cache_positions
-        bytes_per_value = model.lm_head.weight.element_size()
+        kv_dtype = args.kv_dtype or dtype_name(model.lm_head.weight.dtype)
+        nbytes, formula = cache_formula(model.config, kv_dtype, stats.cache_positions, rows)
         report.update(
-            cache_positions=positions,
-            cache_bytes_formula=cache_bytes_formula(c, positions, rows, bytes_per_value),
+            cache_positions=stats.cache_positions,
+            cache_bytes_formula=nbytes,
             cache_bytes_allocated=stats.cache_bytes,
-            cache_formula=(f"2 x {c.n_layer} layers x {c.n_head} heads x L={positions} "
-                           f"x {c.head_dim} head_dim x {bytes_per_value} B x {rows} rows"),
+            cache_formula=formula,
             reprefills=stats.reprefills)
     return report
 
@@ -309,20 +318,56 @@ def print_stats(r):
 
 
 @torch.no_grad()
-def score(model, tokenizer, text, device):
+def score(model, tokenizer, text, device, kv_dtype=None):
     """Loss of the model on text, scored in block_size windows that overlap by half, so that
-    every token after the first window is predicted from at least block_size/2 tokens."""
+    every token after the first window is predicted from at least block_size/2 tokens. Each
+    window is one forward pass; with kv_dtype, the windows go through a cache of that kind
+    instead (nats_through_cache), with the same windows and so the same contexts."""
     ids = torch.tensor([tokenizer.eot_token] + tokenizer.encode_ordinary(text), device=device)
     block, n_targets = model.config.block_size, ids.numel() - 1
-    total_nats, done, begin = 0.0, 0, 0  # targets 1..done are scored
+    windows, done, begin = [], 0, 0  # targets 1..done are scored
     while done < n_targets:
         end = min(begin + block, n_targets)
-        logits = model(ids[None, begin:end])[0][0].float()
-        nll = torch.nn.functional.cross_entropy(logits, ids[begin + 1:end + 1], reduction="none")
-        total_nats += nll[done - begin:].sum().item()  # only targets not scored before
+        windows.append((begin, end, done - begin))  # its targets from done + 1 on are new
         done, begin = end, end - block // 2
+    if kv_dtype:
+        total_nats = nats_through_cache(model, ids, windows, kv_dtype)
+    else:
+        total_nats = 0.0
+        for begin, end, first in windows:
+            logits = model(ids[None, begin:end])[0][0].float()
+            total_nats += F.cross_entropy(logits[first:], ids[begin + 1 + first:end + 1],
+                                          reduction="sum").item()
     return {"chars": len(text), "tokens": n_targets, "nats_per_token": total_nats / n_targets,
             "bits_per_char": total_nats / math.log(2) / len(text)}
+
+
+def nats_through_cache(model, ids, windows, kv_dtype, rows=16):
+    """The summed loss of score()'s windows when every prediction reads its keys and values
+    back from a cache of kind kv_dtype, fed as generation feeds it.
+
+    A window starts a fresh cache at position 0 (learned positions: kv_cache.py's make_room
+    re-prefills the same way), so the windows are independent and go through as the rows of
+    one batch, right-padded (padding comes after the text: no query sees it). The first half
+    of each window, the context it carries over, is prefilled; the rest is fed one token per
+    step. The cache hands back what it stored, so the prefill's own predictions (scored in the
+    first window only) read stored keys and values too."""
+    block, total_nats = model.config.block_size, 0.0
+    for i in range(0, len(windows), rows):
+        batch = windows[i:i + rows]
+        width = max(end - begin for begin, end, _ in batch)
+        tokens = torch.zeros(len(batch), width, dtype=torch.long, device=ids.device)
+        targets = torch.full_like(tokens, -1)  # -1: padding, or a target scored in an earlier window
+        for row, (begin, end, first) in enumerate(batch):
+            tokens[row, :end - begin] = ids[begin:end]
+            targets[row, first:end - begin] = ids[begin + 1 + first:end + 1]
+        prefill = min(block // 2, *(end - begin for begin, end, _ in batch))
+        cache = model.new_cache(len(batch), kv_dtype)
+        for start, stop in [(0, prefill), *((c, c + 1) for c in range(prefill, width))]:
+            logits = model(tokens[:, start:stop], cache)[0].float()  # (rows, stop - start, V)
+            total_nats += F.cross_entropy(logits.flatten(0, 1), targets[:, start:stop].flatten(),
+                                          ignore_index=-1, reduction="sum").item()
+    return total_nats
 
 
 def main():
@@ -337,7 +382,7 @@ def main():
     model, tokenizer, device = load_from_args(GPT if args.no_cache else KVCacheGPT, args)
     if not args.score:
         return generate(args, prompts, model, tokenizer, device)
-    result = score(model, tokenizer, text, device)
+    result = score(model, tokenizer, text, device, args.kv_dtype)
     if args.json:
         print(json.dumps(result))
     else:
