@@ -11,6 +11,7 @@ all weights through a matrix-vector product; this measures that floor in the sam
 
 import copy
 import json
+import math
 import platform
 import resource
 import statistics
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from base_model import GPT, GPTConfig, GenerationStats, store_linears_column_major
+from checkpoint import ROOT
 from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
 from kv_cache import KVCacheGPT, cache_bytes_formula, synchronize
 from kv_quant import KV_DTYPES
@@ -252,6 +254,58 @@ def kv_dtype_latency(args, device, reps, steps=8):
     return result
 
 
+@torch.inference_mode()
+def quantized_peer(args, model, tokenizer, device, reps, steps=8):
+    """transformers' QuantizedCache (KIVI-style, optimum-quanto backend: 4 bits, groups of
+    32, the newest tokens kept in full precision up to its residual_length of 128) against
+    our int4 cache, and both float32 caches, on the checkpoint's weights: bits/char on the
+    start of the held-out text (score()'s windows, each through the cache) and ms per
+    decode step at position args.kv_position (batch 1)."""
+    try:
+        import optimum.quanto  # noqa: F401  (transformers' quanto backend imports it)
+        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers.cache_utils import DynamicCache, QuantizedCache
+    except ImportError as e:
+        return {"note": f"skipped: {e.name} is not installed (pip install transformers optimum-quanto)"}
+    from export_hf import hf_config, hf_state_dict
+    from generate import nats_through_cache, score_windows  # the scorer of generate.py --score
+    theirs = GPT2LMHeadModel(GPT2Config(**hf_config(model.config, eot=tokenizer.eot_token)))
+    theirs.load_state_dict(hf_state_dict(model), strict=False)  # lm_head: tied to wte
+    theirs = theirs.to(device).eval()
+    caches = {  # name: (new_cache(rows), forward(tokens, cache) -> logits, extending the cache)
+        "ours float32": (lambda rows: model.new_cache(rows, "float32"), lambda t, c: model(t, c)[0]),
+        "ours int4": (lambda rows: model.new_cache(rows, "int4"), lambda t, c: model(t, c)[0]),
+        "HF DynamicCache": (lambda rows: DynamicCache(config=theirs.config),
+                            lambda t, c: theirs(t, past_key_values=c, use_cache=True).logits),
+        "HF QuantizedCache quanto int4": (
+            lambda rows: QuantizedCache("quanto", theirs.config, nbits=4, q_group_size=32),
+            lambda t, c: theirs(t, past_key_values=c, use_cache=True).logits),
+    }
+    text = args.kv_peer_text.read_text(encoding="utf-8")[:args.kv_peer_chars]
+    ids = torch.tensor([tokenizer.eot_token] + tokenizer.encode_ordinary(text), device=device)
+    block = model.config.block_size
+    windows = score_windows(ids.numel() - 1, block)
+    position = min(args.kv_position, block - steps)
+    prompt = torch.zeros(1, position, dtype=torch.long, device=device)
+
+    def step_ms(new_cache, forward):
+        cache, token, times = new_cache(1), prompt[:, :1], []
+        forward(prompt, cache)
+        for _ in range(steps):
+            synchronize(device)
+            t0 = time.perf_counter()
+            forward(token, cache)
+            synchronize(device)
+            times.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(times)
+    result = {"chars": len(text), "tokens": ids.numel() - 1, "position": position, "caches": {}}
+    for name, (new_cache, forward) in caches.items():
+        nats = nats_through_cache(ids, windows, block, new_cache, forward)
+        result["caches"][name] = {"bits_per_char": nats / math.log(2) / len(text),
+                                  "step_ms": spread(repeat(lambda: step_ms(new_cache, forward), reps))}
+    return result
+
+
 def peer(shape, device, n, reps):
     """Hugging Face transformers' GPT2LMHeadModel.generate() on identical weights."""
     try:
@@ -352,6 +406,7 @@ def print_report(r):
                   f"{fmt_spread(row['step_ms'])} | {row['cache_bytes_formula'] / 2**20:.1f} MiB | "
                   f"{row['cache_bytes_allocated'] / 2**20:.1f} MiB |")
     print_kv_dtypes(r["kv_dtypes"])
+    print_quantized_peer(r["quantized_peer"])
     print("\n## Peer: transformers GPT2LMHeadModel.generate(), identical weights")
     if not r["peer"]:
         print(r.get("peer_note", "skipped"))
@@ -373,6 +428,19 @@ def print_kv_dtypes(k):
         print(f"| {kv} | " + " | ".join(
             f"{fmt_spread(rows[b]['step_ms'])} | {rows[b]['read_back_ms']['median']:.1f} | "
             f"{rows[b]['cache_bytes'] / 2**20:.1f} MiB" for b in sizes) + " |")
+
+
+def print_quantized_peer(q):
+    print("\n## Quantized caches, ours and transformers' (QuantizedCache, quanto), identical weights")
+    if "note" in q:
+        print(q["note"])
+        return
+    print(f"bits/char on the first {q['chars']:,} characters of the held-out text ({q['tokens']:,} "
+          f"tokens), ms per decode step at position {q['position']}, batch 1")
+    print("| cache | bits/char | ms/step |")
+    print("|---|---|---|")
+    for name, c in q["caches"].items():
+        print(f"| {name} | {c['bits_per_char']:.4f} | {fmt_spread(c['step_ms'])} |")
 
 
 def plot(r, path):
@@ -430,7 +498,11 @@ def main():
                    "dtype's decode step is timed (default: 1000, quick 200; capped by the shape's context)")
     p.add_argument("--kv-batch-sizes", type=int_list, default=[1, 16],
                    help="batch sizes for the cache-dtype table (default: 1,16)")
-    p.add_argument("--no-peer", action="store_true", help="skip the transformers comparison")
+    p.add_argument("--kv-peer-chars", type=positive_int, default=24000, help="characters of the "
+                   "held-out text scored in the quantized-cache peer (default: 24000; quick 3000)")
+    p.add_argument("--kv-peer-text", type=Path, default=ROOT / "checkpoints" / "shakespeare" / "heldout.txt",
+                   help="text for the quantized-cache peer (default: the bundled held-out plays)")
+    p.add_argument("--no-peer", action="store_true", help="skip the transformers comparisons")
     p.add_argument("--compile", action="store_true",
                    help="also time decoding with torch.compile (compiles for minutes on a CPU)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -443,7 +515,7 @@ def main():
     if args.naive_check is None:
         args.naive_check = 32 if args.quick else 128
 
-    model, _, device = load_from_args(KVCacheGPT, args)
+    model, tokenizer, device = load_from_args(KVCacheGPT, args)
     r = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
          "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device.type,
          "reps": reps, "checkpoint": args.ckpt or args.hf or "the default checkpoint",
@@ -456,6 +528,12 @@ def main():
                   batch_throughput(random_model(args.shape, device), f"{args.shape} shape",
                                    sizes, args.batch_tokens, reps)]
     r["kv_dtypes"] = kv_dtype_latency(args, device, reps)
+    if args.no_peer:
+        r["quantized_peer"] = {"note": "skipped (--no-peer)"}
+    else:
+        if args.quick:
+            args.kv_peer_chars = min(args.kv_peer_chars, 3000)
+        r["quantized_peer"] = quantized_peer(args, model, tokenizer, device, reps)
     r["peer"] = None
     if args.no_peer:
         r["peer_note"] = "skipped (--no-peer)"

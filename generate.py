@@ -325,13 +325,10 @@ def score(model, tokenizer, text, device, kv_dtype=None):
     instead (nats_through_cache), with the same windows and so the same contexts."""
     ids = torch.tensor([tokenizer.eot_token] + tokenizer.encode_ordinary(text), device=device)
     block, n_targets = model.config.block_size, ids.numel() - 1
-    windows, done, begin = [], 0, 0  # targets 1..done are scored
-    while done < n_targets:
-        end = min(begin + block, n_targets)
-        windows.append((begin, end, done - begin))  # its targets from done + 1 on are new
-        done, begin = end, end - block // 2
+    windows = score_windows(n_targets, block)
     if kv_dtype:
-        total_nats = nats_through_cache(model, ids, windows, kv_dtype)
+        total_nats = nats_through_cache(ids, windows, block, lambda rows: model.new_cache(rows, kv_dtype),
+                                        lambda tokens, cache: model(tokens, cache)[0])
     else:
         total_nats = 0.0
         for begin, end, first in windows:
@@ -342,9 +339,22 @@ def score(model, tokenizer, text, device, kv_dtype=None):
             "bits_per_char": total_nats / math.log(2) / len(text)}
 
 
-def nats_through_cache(model, ids, windows, kv_dtype, rows=16):
+def score_windows(n_targets, block):
+    """(begin, end, first) per window: tokens begin..end-1 predict targets begin+1..end, of
+    which those from index `first` of the window on were not scored by an earlier window."""
+    windows, done, begin = [], 0, 0  # targets 1..done are scored
+    while done < n_targets:
+        end = min(begin + block, n_targets)
+        windows.append((begin, end, done - begin))
+        done, begin = end, end - block // 2
+    return windows
+
+
+def nats_through_cache(ids, windows, block, new_cache, forward, rows=16):
     """The summed loss of score()'s windows when every prediction reads its keys and values
-    back from a cache of kind kv_dtype, fed as generation feeds it.
+    back from a cache, fed as generation feeds it. new_cache(rows) makes an empty cache,
+    forward(tokens, cache) returns the logits and extends the cache in place (a model from
+    elsewhere fits too: benchmark.py scores transformers' quantized cache with this).
 
     A window starts a fresh cache at position 0 (learned positions: kv_cache.py's make_room
     re-prefills the same way), so the windows are independent and go through as the rows of
@@ -352,7 +362,7 @@ def nats_through_cache(model, ids, windows, kv_dtype, rows=16):
     of each window, the context it carries over, is prefilled; the rest is fed one token per
     step. The cache hands back what it stored, so the prefill's own predictions (scored in the
     first window only) read stored keys and values too."""
-    block, total_nats = model.config.block_size, 0.0
+    total_nats = 0.0
     for i in range(0, len(windows), rows):
         batch = windows[i:i + rows]
         width = max(end - begin for begin, end, _ in batch)
@@ -362,9 +372,9 @@ def nats_through_cache(model, ids, windows, kv_dtype, rows=16):
             tokens[row, :end - begin] = ids[begin:end]
             targets[row, first:end - begin] = ids[begin + 1 + first:end + 1]
         prefill = min(block // 2, *(end - begin for begin, end, _ in batch))
-        cache = model.new_cache(len(batch), kv_dtype)
+        cache = new_cache(len(batch))
         for start, stop in [(0, prefill), *((c, c + 1) for c in range(prefill, width))]:
-            logits = model(tokens[:, start:stop], cache)[0].float()  # (rows, stop - start, V)
+            logits = forward(tokens[:, start:stop], cache).float()  # (rows, stop - start, V)
             total_nats += F.cross_entropy(logits.flatten(0, 1), targets[:, start:stop].flatten(),
                                           ignore_index=-1, reduction="sum").item()
     return total_nats

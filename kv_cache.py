@@ -548,4 +548,7 @@ def main():
 
 
 if __name__ == "__main__":
-    run(main)
+    # run the imported module's main, not this __main__ copy's: kv_quant.py (imported by
+    # main) registers its cache kinds in the kv_cache module and subclasses its classes
+    import kv_cache
+    run(kv_cache.main)

@@ -21,7 +21,8 @@ every step (one layer at a time). On a CPU without a fused kernel that reads int
 attention, a quantized cache therefore saves memory, not time.
 
 Importing this module adds the kinds to kv_cache.CACHE_KINDS, so that
-KVCacheGPT.stream(..., cache_kind="int4") uses them; kv_cache.py does not import this file.
+KVCacheGPT.stream(..., cache_kind="int4") uses them. kv_cache.py's library code does not
+import this file (this file builds on it); only its demo, inside main(), does.
 
     python kv_quant.py          # bytes, round-trip error on real keys and values, greedy agreement
 """
@@ -104,8 +105,9 @@ def quantize(x, bits, group):
     a value that the rounding pushes past qmax is clamped, off by qmax x 2^-11 x s < s/2."""
     qmax = 2 ** (bits - 1) - 1
     groups = x.float().unflatten(-1, (-1, group))                  # (..., d / group, group)
-    # an all-zero group gets the smallest float16 scale instead of 0 (its codes are 0 anyway)
-    scales = (groups.abs().amax(-1) / qmax).clamp(min=2 ** -24).to(SCALE_DTYPE)
+    # an all-zero group gets the smallest float16 scale instead of 0 (its codes are 0 anyway);
+    # one beyond float16's range (|x| > 65504 x qmax: no real key is) is clipped, not inf
+    scales = (groups.abs().amax(-1) / qmax).clamp(2 ** -24, torch.finfo(SCALE_DTYPE).max).to(SCALE_DTYPE)
     codes = (groups / scales.float().unsqueeze(-1)).round_().clamp_(-qmax, qmax)
     return codes.flatten(-2).to(torch.int8), scales
 

@@ -145,21 +145,27 @@ def print_tables(shapes, kv_dtypes, lengths, memory, length, weights_dtype):
 
 
 def plot(shapes, kv_dtypes, memory, path, plt):
-    """Cache bytes of one sequence vs its length, each model up to its context."""
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    styles = dict(zip(kv_dtypes, ["-", "--", "-.", ":", (0, (1, 3))]))
+    """Cache bytes of one sequence vs its length, for the first and last of kv_dtypes (the
+    table has them all): bold up to each model's context, faint past it."""
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    shown = dict(zip(sorted({kv_dtypes[0], kv_dtypes[-1]}, key=kv_dtypes.index), ["-", "--"]))
+    lengths = [2 ** k for k in range(7, 18)]  # 128 .. 128k tokens
     for i, s in enumerate(shapes):
-        lengths = [2 ** k for k in range(8, 18) if 2 ** k <= s.context] + [s.context]
-        for kv in kv_dtypes:
-            ax.plot(lengths, [cache_bytes(s, kv, n) for n in lengths], linestyle=styles[kv],
-                    color=f"C{i}", label=s.name if kv == kv_dtypes[0] else None)
-    for kv in kv_dtypes:  # one legend entry per line style
-        ax.plot([], [], color="black", linestyle=styles[kv], label=f"{kv} cache")
-    ax.axhline(memory, color="gray", linewidth=0.8)
-    ax.text(300, memory * 1.15, human(memory), color="gray")
-    ax.set(xscale="log", yscale="log", xlabel="tokens in the sequence (up to the model's context)",
-           ylabel="KV cache bytes, one sequence", title="KV cache vs context length")
-    ax.legend(fontsize=8, loc="upper left")
+        for kv, style in shown.items():
+            inside = [n for n in lengths if n <= s.context] + [s.context]
+            outside = [s.context] + [n for n in lengths if n > s.context]
+            ax.plot(inside, [cache_bytes(s, kv, n) for n in inside], linestyle=style, color=f"C{i}",
+                    linewidth=2, label=s.name if style == "-" else None)
+            ax.plot(outside, [cache_bytes(s, kv, n) for n in outside], linestyle=style,
+                    color=f"C{i}", linewidth=1, alpha=0.3)
+    for kv, style in shown.items():  # one legend entry per line style
+        ax.plot([], [], color="black", linestyle=style, label=f"{kv} cache")
+    ax.axhline(memory, color="black", linewidth=0.8)
+    ax.text(lengths[0], memory * 1.2, f"{human(memory)}: the whole memory", fontsize=9)
+    ax.set(xscale="log", yscale="log", xlabel="tokens in the sequence (faint: past the model's context)",
+           ylabel="KV cache bytes, one sequence", title="KV cache vs context length (batch 1)")
+    ax.set_xticks(lengths[::2], [tokens_label(n) for n in lengths[::2]])
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -228,7 +228,7 @@ def test_odd_head_dim_is_refused_in_one_line():
 def test_score_through_cache(kind):
     # the same windows as the plain score: float32 through the cache gives the same loss
     # (float noise only), int4 a loss close to it; rows=2 splits the windows into batches
-    from generate import nats_through_cache, score
+    from generate import nats_through_cache, score, score_windows
     config = GPTConfig(block_size=32, vocab_size=260, n_layer=2, n_head=2, n_embd=32)
     model, tokenizer = tiny_model(config, seed=3), tokenizer_from_spec(byte_tokenizer_spec(), "bytes")
     text = "Fair is foul, and foul is fair: hover through the fog and filthy air. " * 3
@@ -238,6 +238,8 @@ def test_score_through_cache(kind):
     bound = 1e-5 if kind == "float32" else 0.05
     assert math.isclose(through["nats_per_token"], plain["nats_per_token"], abs_tol=bound)
     ids = torch.tensor([256] + list(text.encode()))
-    windows = [(begin, min(begin + 32, len(text)), 16 * (begin > 0)) for begin in range(0, len(text) - 16, 16)]
-    assert nats_through_cache(model, ids, windows, kind, rows=2) / len(text) == pytest.approx(
-        through["nats_per_token"], rel=1e-5)
+    windows = score_windows(len(text), config.block_size)
+    assert len(windows) > 2 and windows[1] == (16, 48, 16)
+    nats = nats_through_cache(ids, windows, config.block_size, lambda rows: model.new_cache(rows, kind),
+                              lambda tokens, cache: model(tokens, cache)[0], rows=2)
+    assert nats / len(text) == pytest.approx(through["nats_per_token"], rel=1e-5)
