@@ -257,7 +257,7 @@ def kv_dtype_latency(args, device, reps, steps=8):
 @torch.inference_mode()
 def quantized_peer(args, model, tokenizer, device, reps, steps=8):
     """transformers' QuantizedCache (KIVI-style, optimum-quanto backend: 4 bits, groups of
-    32, the newest tokens kept in full precision up to its residual_length of 128) against
+    32, the newest tokens kept in full precision up to residual_length: 128, and 32) against
     our int4 cache, and both float32 caches, on the checkpoint's weights: bits/char on the
     start of the held-out text (score()'s windows, each through the cache) and ms per
     decode step at position args.kv_position (batch 1)."""
@@ -277,9 +277,12 @@ def quantized_peer(args, model, tokenizer, device, reps, steps=8):
         "ours int4": (lambda rows: model.new_cache(rows, "int4"), lambda t, c: model(t, c)[0]),
         "HF DynamicCache": (lambda rows: DynamicCache(config=theirs.config),
                             lambda t, c: theirs(t, past_key_values=c, use_cache=True).logits),
-        "HF QuantizedCache quanto int4": (
-            lambda rows: QuantizedCache("quanto", theirs.config, nbits=4, q_group_size=32),
-            lambda t, c: theirs(t, past_key_values=c, use_cache=True).logits),
+        # its default keeps the newest 128 tokens unquantized: in a window of 256 whose first
+        # half is prefilled, no fed token is read back quantized; 32 is KIVI's group
+        **{f"HF QuantizedCache quanto int4, residual {r}": (
+            lambda rows, r=r: QuantizedCache("quanto", theirs.config, nbits=4, q_group_size=32,
+                                             residual_length=r),
+            lambda t, c: theirs(t, past_key_values=c, use_cache=True).logits) for r in (128, 32)},
     }
     text = args.kv_peer_text.read_text(encoding="utf-8")[:args.kv_peer_chars]
     ids = torch.tensor([tokenizer.eot_token] + tokenizer.encode_ordinary(text), device=device)
