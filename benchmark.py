@@ -11,6 +11,7 @@ all weights through a matrix-vector product; this measures that floor in the sam
 
 import argparse
 import copy
+import math
 import platform
 import resource
 import statistics
@@ -27,11 +28,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from base_model import GPT, GPTConfig, store_linears_column_major
+from base_model import GPT, GPTConfig, GenerationStats, store_linears_column_major
+from checkpoint import ROOT
 from kv_cache import KVCacheGPT, cache_bytes_formula, synchronize
+from kv_quant import KV_DTYPES
+from peers import llama_cpp_missing, llama_cpp_peer, transformers_peer
 from quantize import (INT4_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear, QuantizedLinear,
                       quantize_model)
-from peers import llama_cpp_missing, llama_cpp_peer, transformers_peer
 from timing import repeat, spread
 
 SHAPES = {  # random-weight models at a named shape
@@ -233,6 +236,99 @@ def peers(args, model, device, reps):
     return r
 
 
+@torch.inference_mode()
+def kv_dtype_latency(args, device, reps, steps=8):
+    """Per-token decode latency at a long context for each cache dtype (kv_quant.py), and
+    how much of it is reading the cache back (dequantizing, or casting to the model's dtype).
+    A prompt of args.kv_position tokens is prefilled once per dtype; for a batch of b rows
+    its cache is copied to b rows (as num_samples does), then `steps` decode steps are timed."""
+    model = random_model(args.shape, device)
+    position = min(args.kv_position, model.config.block_size - steps)
+    prompt = torch.zeros(1, position, dtype=torch.long, device=device)
+    result = {"shape": args.shape, "position": position, "steps": steps, "dtypes": {}}
+    for kv in KV_DTYPES:
+        prefilled = model.new_cache(1, kv)
+        model(prompt, prefilled, last_only=True)
+        result["dtypes"][kv] = rows = {}
+        for b in args.kv_batch_sizes:
+            def step_and_read_ms():
+                cache = copy.copy(prefilled)  # select_rows gives the copy its own tensors
+                cache.select_rows(torch.zeros(b, dtype=torch.long, device=device))
+                token, times = torch.zeros(b, 1, dtype=torch.long, device=device), []
+                for _ in range(steps):
+                    synchronize(device)
+                    t0 = time.perf_counter()
+                    model.decode_one(token, cache, GenerationStats())
+                    synchronize(device)
+                    times.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                for layer in range(len(cache)):
+                    cache[layer]  # what update() returns: every column, in the model's dtype
+                synchronize(device)
+                return 1e3 * statistics.median(times), 1e3 * (time.perf_counter() - t0)
+            runs = repeat(step_and_read_ms, reps)
+            rows[b] = {"step_ms": spread([r[0] for r in runs]), "read_back_ms": spread([r[1] for r in runs]),
+                       "cache_bytes": model.new_cache(b, kv).nbytes()}
+    return result
+
+
+@torch.inference_mode()
+def quantized_peer(args, model, tokenizer, device, reps, steps=8):
+    """transformers' QuantizedCache (KIVI-style, optimum-quanto backend: 4 bits, groups of
+    32, the newest tokens kept in full precision up to residual_length: 128, and 32) against
+    our int4 cache, and both float32 caches, on the checkpoint's weights: bits/char on the
+    start of the held-out text (score()'s windows, each through the cache) and ms per
+    decode step at position args.kv_position (batch 1)."""
+    try:
+        import optimum.quanto  # noqa: F401  (transformers' quanto backend imports it)
+        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers.cache_utils import DynamicCache, QuantizedCache
+    except ImportError as e:
+        return {"note": f"skipped: {e.name} is not installed (pip install transformers optimum-quanto)"}
+    from export_hf import hf_config, hf_state_dict
+    from generate import nats_through_cache, score_windows  # the scorer of generate.py --score
+    theirs = GPT2LMHeadModel(GPT2Config(**hf_config(model.config, eot=tokenizer.eot_token)))
+    theirs.load_state_dict(hf_state_dict(model), strict=False)  # lm_head: tied to wte
+    theirs = theirs.to(device).eval()
+    caches = {  # name: (new_cache(rows), forward(tokens, cache) -> logits, extending the cache)
+        "ours float32": (lambda rows: model.new_cache(rows, "float32"), lambda t, c: model(t, c)[0]),
+        "ours int4": (lambda rows: model.new_cache(rows, "int4"), lambda t, c: model(t, c)[0]),
+        "HF DynamicCache": (lambda rows: DynamicCache(config=theirs.config),
+                            lambda t, c: theirs(t, past_key_values=c, use_cache=True).logits),
+        # its default keeps the newest 128 tokens unquantized: in a window of 256 whose first
+        # half is prefilled, no fed token is read back quantized; 32 is KIVI's group
+        **{f"HF QuantizedCache quanto int4, residual {r}": (
+            lambda rows, r=r: QuantizedCache("quanto", theirs.config, nbits=4, q_group_size=32,
+                                             residual_length=r),
+            lambda t, c: theirs(t, past_key_values=c, use_cache=True).logits) for r in (128, 32)},
+    }
+    text = args.kv_peer_text.read_text(encoding="utf-8")[:args.kv_peer_chars]
+    ids = torch.tensor([tokenizer.eot_token] + tokenizer.encode_ordinary(text), device=device)
+    block = model.config.block_size
+    windows = score_windows(ids.numel() - 1, block)
+    position = min(args.kv_position, block - steps)
+    prompt = torch.zeros(1, position, dtype=torch.long, device=device)
+
+    def step_ms(new_cache, forward):
+        cache, token, times = new_cache(1), prompt[:, :1], []
+        forward(prompt, cache)
+        for _ in range(steps):
+            synchronize(device)
+            t0 = time.perf_counter()
+            forward(token, cache)
+            synchronize(device)
+            times.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(times)
+    result = {"chars": len(text), "tokens": ids.numel() - 1, "position": position, "caches": {}}
+    for name, (new_cache, forward) in caches.items():
+        nats = nats_through_cache(ids, windows, block, new_cache, forward)
+        result["caches"][name] = {"bits_per_char": nats / math.log(2) / len(text),
+                                  "step_ms": spread(repeat(lambda: step_ms(new_cache, forward), reps))}
+    return result
+
+
+
+
 # ---------------------------------------------------------------------------- quantization
 
 WEIGHT_FORMATS = {  # name: (the model's dtype, weight-only quantization); see quantize.py
@@ -420,6 +516,8 @@ def print_report(r):
             print(f"| {t['model']} | {b} | {fmt_spread(row['tok_s'])} | {row['vs_batch_1']:.1f}x | "
                   f"{fmt_spread(row['step_ms'])} | {row['cache_bytes_formula'] / 2**20:.1f} MiB | "
                   f"{row['cache_bytes_allocated'] / 2**20:.1f} MiB |")
+    print_kv_dtypes(r["kv_dtypes"])
+    print_quantized_peer(r["quantized_peer"])
     print("\n## Peer: transformers GPT2LMHeadModel.generate(), identical weights")
     if not r["peer"]:
         print(r.get("peer_note", "skipped"))
@@ -477,6 +575,33 @@ def print_quantization(results, floor):
 def import_pyplot():
     """matplotlib, an optional extra; asked for before the run, so that a missing one is
     found in a second rather than after minutes of measuring."""
+
+
+def print_kv_dtypes(k):
+    sizes = list(next(iter(k["dtypes"].values())))
+    print(f"\n## Cache dtypes: decode at position {k['position']} ({k['shape']} shape), ms per step "
+          "(reading the cache back: dequantize or cast, all layers)")
+    print("| kv dtype | " + " | ".join(f"batch {b}: ms/step | read back | cache allocated" for b in sizes) + " |")
+    print("|---|" + "---|---|---|" * len(sizes))
+    for kv, rows in k["dtypes"].items():
+        print(f"| {kv} | " + " | ".join(
+            f"{fmt_spread(rows[b]['step_ms'])} | {rows[b]['read_back_ms']['median']:.1f} | "
+            f"{rows[b]['cache_bytes'] / 2**20:.1f} MiB" for b in sizes) + " |")
+
+
+def print_quantized_peer(q):
+    print("\n## Quantized caches, ours and transformers' (QuantizedCache, quanto), identical weights")
+    if "note" in q:
+        print(q["note"])
+        return
+    print(f"bits/char on the first {q['chars']:,} characters of the held-out text ({q['tokens']:,} "
+          f"tokens), ms per decode step at position {q['position']}, batch 1")
+    print("| cache | bits/char | ms/step |")
+    print("|---|---|---|")
+    for name, c in q["caches"].items():
+        print(f"| {name} | {c['bits_per_char']:.4f} | {fmt_spread(c['step_ms'])} |")
+
+
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -556,6 +681,14 @@ def main():
                    "together (default: 1,2,4,8,16,32; with --quick 1,4,16)")
     p.add_argument("--batch-tokens", type=positive_int, default=64,
                    help="new tokens per row in the batch table (default: 64)")
+    p.add_argument("--kv-position", type=positive_int, help="context length at which each cache "
+                   "dtype's decode step is timed (default: 1000, quick 200; capped by the shape's context)")
+    p.add_argument("--kv-batch-sizes", type=int_list, default=[1, 16],
+                   help="batch sizes for the cache-dtype table (default: 1,16)")
+    p.add_argument("--kv-peer-chars", type=positive_int, default=24000, help="characters of the "
+                   "held-out text scored in the quantized-cache peer (default: 24000; quick 3000)")
+    p.add_argument("--kv-peer-text", type=Path, default=ROOT / "checkpoints" / "shakespeare" / "heldout.txt",
+                   help="text for the quantized-cache peer (default: the bundled held-out plays)")
     p.add_argument("--no-peer", action="store_true",
                    help="skip the peers (transformers and llama.cpp on identical weights)")
     p.add_argument("--no-quantization", action="store_true",
@@ -567,6 +700,7 @@ def main():
     args = p.parse_args()
     args.shape = args.shape or ("tiny" if args.quick else "gpt2")
     reps = args.reps or (1 if args.quick else 3)
+    args.kv_position = args.kv_position or (200 if args.quick else 1000)
     if args.naive_check is None:
         args.naive_check = 32 if args.quick else 128
     check_run_is_possible(args, p)
@@ -593,6 +727,13 @@ def main():
     r.update(peers(args, model, device, reps))
     if not args.no_quantization:
         r["quantization"] = quantization(args, model, tokenizer, device, reps)
+    r["kv_dtypes"] = kv_dtype_latency(args, device, reps)
+    if args.no_peer:
+        r["quantized_peer"] = {"note": "skipped (--no-peer)"}
+    else:
+        if args.quick:
+            args.kv_peer_chars = min(args.kv_peer_chars, 3000)
+        r["quantized_peer"] = quantized_peer(args, model, tokenizer, device, reps)
     r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print_report(r)
     if "quantization" in r:

@@ -8,6 +8,8 @@ through the KV cache, sample, stream the text, stop.
     python generate.py --prompt "ROMEO:" --prompt "JULIET:" --prompt "HAMLET:"   # one batch
     python generate.py --prompts-file prompts.jsonl --json
     python generate.py --score checkpoints/shakespeare/heldout.txt
+    python generate.py --prompt "ROMEO:" --kv-dtype int4 --stats    # a quantized cache
+    python generate.py --score checkpoints/shakespeare/heldout.txt --kv-dtype int8
 
 The token loop itself is KVCacheGPT.stream (kv_cache.py), or GPT.stream with --no-cache;
 this file turns its tokens into text and decides when each row stops. Several prompts are
@@ -25,9 +27,11 @@ from cli import (ArgumentParser, UserError, add_model_args, json_text, load_from
                  positive_int, run)
 
 import torch
+import torch.nn.functional as F
 
 from base_model import GPT, GenerationStats
-from kv_cache import KVCacheGPT, cache_bytes_formula, synchronize
+from kv_cache import KVCacheGPT, synchronize
+from kv_quant import KV_DTYPES, cache_formula, dtype_name
 from sample import check_sampling_args
 from text_stream import SampleText
 from validation import check_fits_in_memory, generation_memory, max_text_bytes
@@ -61,6 +65,9 @@ def parse_args():
     p.add_argument("--compile", action="store_true",
                    help="decode through a static-shape step compiled once with torch.compile "
                    "(compiling takes a while: --stats reports it apart from the decode speed)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, help="store the KV cache as this dtype "
+                   "(int8, int4: quantized, scales counted in --stats); attention still runs in "
+                   "--dtype (default: the model's dtype). With --score: score through the cache")
     p.add_argument("--no-stream", action="store_true", help="print once at the end")
     p.add_argument("--stats", action="store_true", help="timings and cache size, on stderr")
     p.add_argument("--json", action="store_true",
@@ -83,6 +90,10 @@ def parse_args():
                 text.encode("utf-8")
             except UnicodeEncodeError:
                 p.error(f"{flag}: not UTF-8 text (the shell passed bytes that are not UTF-8)")
+    if args.kv_dtype and args.no_cache:
+        p.error("--kv-dtype: --no-cache keeps no cache to store; drop one of them")
+    if args.compile and args.kv_dtype:
+        p.error("--compile: its static step writes the model-dtype cache; drop --kv-dtype or --compile")
     return args
 
 
@@ -213,7 +224,7 @@ def generate(args, prompts, model, tokenizer, device):
         tokens = model.stream(torch.tensor(ids, device=device), args.max_new_tokens, **loop_args)
     else:
         tokens = model.stream(ids, args.max_new_tokens, finished=finished, compile=args.compile,
-                              **loop_args)
+                              cache_kind=args.kv_dtype or "prealloc", **loop_args)
     steps, decoded, t_first = 0, 0, None
     for step_tokens in tokens:
         step_tokens = step_tokens[:, 0].tolist()  # .tolist() waits for the step to finish
@@ -265,14 +276,13 @@ def generation_stats(model, args, stats, ids, samples, steps, decoded, seconds, 
         "positions_processed": stats.positions_processed,
     }
     if not args.no_cache:  # the naive loop keeps no cache
-        c, positions = model.config, stats.cache_positions
-        bytes_per_value = model.lm_head.weight.element_size()
+        kv_dtype = args.kv_dtype or dtype_name(model.lm_head.weight.dtype)
+        nbytes, formula = cache_formula(model.config, kv_dtype, stats.cache_positions, rows)
         report.update(
-            cache_positions=positions,
-            cache_bytes_formula=cache_bytes_formula(c, positions, rows, bytes_per_value),
+            cache_positions=stats.cache_positions,
+            cache_bytes_formula=nbytes,
             cache_bytes_allocated=stats.cache_bytes,
-            cache_formula=(f"2 x {c.n_layer} layers x {c.n_head} heads x L={positions} "
-                           f"x {c.head_dim} head_dim x {bytes_per_value} B x {rows} rows"),
+            cache_formula=formula,
             reprefills=stats.reprefills)
     return report
 
@@ -300,23 +310,69 @@ def print_stats(r):
 
 
 @torch.no_grad()
-def score(model, tokenizer, text, device):
+def score(model, tokenizer, text, device, kv_dtype=None):
     """Loss of the model on text, scored in block_size windows that overlap by half, so that
-    every token after the first window is predicted from at least block_size/2 tokens."""
+    every token after the first window is predicted from at least block_size/2 tokens. Each
+    window is one forward pass; with kv_dtype, the windows go through a cache of that kind
+    instead (nats_through_cache), with the same windows and so the same contexts."""
     ids = torch.tensor([tokenizer.eot_token] + tokenizer.encode_ordinary(text), device=device)
     block, n_targets = model.config.block_size, ids.numel() - 1
-    total_nats, done, begin = 0.0, 0, 0  # targets 1..done are scored
-    while done < n_targets:
-        end = min(begin + block, n_targets)
-        logits = model(ids[None, begin:end])[0][0].float()
-        nll = torch.nn.functional.cross_entropy(logits, ids[begin + 1:end + 1], reduction="none")
-        total_nats += nll[done - begin:].sum().item()  # only targets not scored before
-        done, begin = end, end - block // 2
+    windows = score_windows(n_targets, block)
+    if kv_dtype:
+        total_nats = nats_through_cache(ids, windows, block, lambda rows: model.new_cache(rows, kv_dtype),
+                                        lambda tokens, cache: model(tokens, cache)[0])
+    else:
+        total_nats = 0.0
+        for begin, end, first in windows:
+            logits = model(ids[None, begin:end])[0][0].float()
+            total_nats += F.cross_entropy(logits[first:], ids[begin + 1 + first:end + 1],
+                                          reduction="sum").item()
     if not math.isfinite(total_nats):  # activations overflowed (float16 has a small range)
         raise UserError(f"the model's loss on this text is {total_nats} (its activations overflow "
                         "in this dtype); try --dtype float32")
     return {"chars": len(text), "tokens": n_targets, "nats_per_token": total_nats / n_targets,
             "bits_per_char": total_nats / math.log(2) / len(text)}
+
+
+def score_windows(n_targets, block):
+    """(begin, end, first) per window: tokens begin..end-1 predict targets begin+1..end, of
+    which those from index `first` of the window on were not scored by an earlier window."""
+    windows, done, begin = [], 0, 0  # targets 1..done are scored
+    while done < n_targets:
+        end = min(begin + block, n_targets)
+        windows.append((begin, end, done - begin))
+        done, begin = end, end - block // 2
+    return windows
+
+
+def nats_through_cache(ids, windows, block, new_cache, forward, rows=16):
+    """The summed loss of score()'s windows when every prediction reads its keys and values
+    back from a cache, fed as generation feeds it. new_cache(rows) makes an empty cache,
+    forward(tokens, cache) returns the logits and extends the cache in place (a model from
+    elsewhere fits too: benchmark.py scores transformers' quantized cache with this).
+
+    A window starts a fresh cache at position 0 (learned positions: kv_cache.py's make_room
+    re-prefills the same way), so the windows are independent and go through as the rows of
+    one batch, right-padded (padding comes after the text: no query sees it). The first half
+    of each window, the context it carries over, is prefilled; the rest is fed one token per
+    step. The cache hands back what it stored, so the prefill's own predictions (scored in the
+    first window only) read stored keys and values too."""
+    total_nats = 0.0
+    for i in range(0, len(windows), rows):
+        batch = windows[i:i + rows]
+        width = max(end - begin for begin, end, _ in batch)
+        tokens = torch.zeros(len(batch), width, dtype=torch.long, device=ids.device)
+        targets = torch.full_like(tokens, -1)  # -1: padding, or a target scored in an earlier window
+        for row, (begin, end, first) in enumerate(batch):
+            tokens[row, :end - begin] = ids[begin:end]
+            targets[row, first:end - begin] = ids[begin + 1 + first:end + 1]
+        prefill = min(block // 2, *(end - begin for begin, end, _ in batch))
+        cache = new_cache(len(batch))
+        for start, stop in [(0, prefill), *((c, c + 1) for c in range(prefill, width))]:
+            logits = forward(tokens[:, start:stop], cache).float()  # (rows, stop - start, V)
+            total_nats += F.cross_entropy(logits.flatten(0, 1), targets[:, start:stop].flatten(),
+                                          ignore_index=-1, reduction="sum").item()
+    return total_nats
 
 
 def main():
@@ -334,7 +390,7 @@ def main():
     model, tokenizer, device = load_from_args(GPT if args.no_cache else KVCacheGPT, args)
     if not args.score:
         return generate(args, prompts, model, tokenizer, device)
-    result = score(model, tokenizer, text, device)
+    result = score(model, tokenizer, text, device, args.kv_dtype)
     if args.json:
         print(json_text(result))
     else:

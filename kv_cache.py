@@ -347,8 +347,10 @@ class KVCacheGPT(GPT):
         """Compile the static-shape decode step for this cache's shapes before decoding, on
         a scratch copy of the buffer (so the real one is untouched), and time it: the
         compile is reported as stats.compile_seconds, apart from the decode speed."""
-        if not isinstance(cache, KVCache):
-            raise ValueError("the compiled decode step needs the preallocated cache (cache_kind='prealloc')")
+        if type(cache) is not KVCache or cache.kv.dtype != self.lm_head.weight.dtype:
+            # its step writes raw keys and values of the model's dtype into the buffer
+            raise ValueError("the compiled decode step needs the preallocated cache in the "
+                             "model's dtype (cache_kind='prealloc')")
         t0 = time.perf_counter()
         token = torch.zeros(cache.kv.size(2), 1, dtype=torch.long, device=cache.kv.device)
         compiled_decode_step(self)(self, token, torch.empty_like(cache.kv),
@@ -497,6 +499,8 @@ def timed_generate(model, idx, n, vocab_limit, **loop_args):
 
 
 def main():
+    # the script may use what is built on this file; importing kv_quant adds its cache kinds
+    from kv_quant import KV_DTYPES, cache_formula
     parser = ArgumentParser(description="KV-cache demo: parity with a full forward, "
                             "speed with and without the cache, the cache's size, a batch.")
     add_model_args(parser)
@@ -504,7 +508,10 @@ def main():
                         help="tokens to generate in the speed test (default: 200)")
     parser.add_argument("--compile", action="store_true", help="also time the cached loop "
                         "with its static-shape decode step compiled (compiled_decode.py)")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, help="also store the cache as this "
+                        "dtype (int8, int4: quantized; kv_quant.py) and use it in parts 2-4")
     args = parser.parse_args()
+    kv = {"cache_kind": args.kv_dtype} if args.kv_dtype else {}  # KVCacheGPT.stream's, or its default
     model, tokenizer, device = load_from_args(KVCacheGPT, args)
     config = model.config
 
@@ -519,7 +526,10 @@ def main():
     idx = torch.randint(tokenizer.n_vocab, (1, T), device=device)
     with torch.no_grad():
         full, _ = model(idx)
-        for kind, name in (("cat", "torch.cat list cache"), ("prealloc", "preallocated KVCache")):
+        kinds = [("cat", "torch.cat list cache"), ("prealloc", "preallocated KVCache")]
+        if args.kv_dtype:
+            kinds.append((args.kv_dtype, f"{args.kv_dtype} KVCache"))
+        for kind, name in kinds:
             for chunk in (1, 5):
                 logits, cache = incremental_logits(model, idx, chunk, kind)
                 diff = (full - logits).abs().max().item()
@@ -527,19 +537,22 @@ def main():
                     cat_cache = cache  # measured in part 3
                 feed = "token by token " if chunk == 1 else f"chunks of {chunk}    "
                 print(f"   {feed} {name:21s}: {diff:.2e}")
-    print(f"   ({T} random tokens; not exactly 0 because the same math is batched differently)")
+    print(f"   ({T} random tokens; not exactly 0 because the same math is batched differently"
+          + (f"; {args.kv_dtype} also rounds what it stores" if kv else "") + ")")
 
-    print(f"\n2. Speed: {args.tokens} new tokens, greedy, batch 1, {device.type}")
+    print(f"\n2. Speed: {args.tokens} new tokens, greedy, batch 1, {device.type}"
+          + (f", {args.kv_dtype} cache" if kv else ""))
     prompt = torch.tensor([tokenizer.encode("ROMEO:\n")], device=device)
     n_vocab = tokenizer.n_vocab
-    timed_generate(model, prompt, 8, n_vocab)  # warm-up: first calls pay for allocation
+    timed_generate(model, prompt, 8, n_vocab, **kv)  # warm-up: first calls pay for allocation
     timed_generate(naive, prompt, 8, n_vocab)
-    cached_out, cached_tps = timed_generate(model, prompt, args.tokens, n_vocab)
+    cached_out, cached_tps = timed_generate(model, prompt, args.tokens, n_vocab, **kv)
     naive_out, naive_tps = timed_generate(naive, prompt, args.tokens, n_vocab)
     print(f"   without cache (base_model.GPT.generate): {naive_tps:8.1f} tokens/s")
     print(f"   with cache    (KVCacheGPT.generate)    : {cached_tps:8.1f} tokens/s")
+    why = "float ties in argmax" + (f", or the {args.kv_dtype} cache's rounding" if kv else "")
     print(f"   speedup: {cached_tps / naive_tps:.2f}x; same tokens: "
-          f"{'yes' if torch.equal(cached_out, naive_out) else 'no (float ties in argmax)'}")
+          f"{'yes' if torch.equal(cached_out, naive_out) else f'no ({why})'}")
     if args.compile:
         stats = GenerationStats()
         timed_generate(model, prompt, 8, n_vocab, compile=True, stats=stats)  # compiles
@@ -560,18 +573,26 @@ def main():
     formula = cache_bytes_formula(config, config.block_size, bytes_per_value=nbytes)
     print(f"   preallocated for L = block_size = {config.block_size}: formula {formula:,} B, "
           f"tensors hold {model.new_cache(1).nbytes():,} B")
+    if kv:  # codes and their scales: kv_quant.py
+        formula, text = cache_formula(config, args.kv_dtype, config.block_size)
+        print(f"   {args.kv_dtype}: {text} = {formula:,} B, "
+              f"tensors hold {model.new_cache(1, args.kv_dtype).nbytes():,} B")
 
     print("\n4. A batch of different prompts: left-padded, positions from 0 in every row")
     texts = ["ROMEO:", "JULIET:\nO Romeo, Romeo!", "KING HENRY:\nOnce more unto the breach"]
     prompts = [tokenizer.encode_ordinary(t) for t in texts]
     n = min(40, args.tokens)
-    batch = torch.cat(list(model.stream(prompts, n, temperature=0, vocab_limit=n_vocab)), dim=1)
-    alone = [model.generate(torch.tensor([p], device=device), n, temperature=0,
-                            vocab_limit=n_vocab)[0, len(p):] for p in prompts]
+    batch = torch.cat(list(model.stream(prompts, n, temperature=0, vocab_limit=n_vocab, **kv)), dim=1)
+    alone = [model.generate(torch.tensor([p], device=device), n, temperature=0, vocab_limit=n_vocab,
+                            **kv)[0, len(p):]
+             for p in prompts]
     for text, row, single in zip(texts, batch, alone):
         print(f"   {len(tokenizer.encode_ordinary(text)):2d}-token prompt {text.splitlines()[0]!r:14s}: "
               f"same {n} tokens as alone: {'yes' if torch.equal(row, single) else 'no'}")
 
 
 if __name__ == "__main__":
-    run(main)
+    # run the imported module's main, not this __main__ copy's: kv_quant.py (imported by
+    # main) registers its cache kinds in the kv_cache module and subclasses its classes
+    import kv_cache
+    run(kv_cache.main)

@@ -1,0 +1,219 @@
+"""
+How much memory a KV cache takes, for models from the bundled one to a Llama-3-8B, before
+anything is run: the chapter's formula with every term a number you can turn.
+
+    S_cache = 2 x N_layers x N_kv_heads x min(L, window) x head_bytes  (x batch)
+
+head_bytes is d_head x P_bytes for a float cache, codes plus scales for int8/int4
+(kv_quant.head_bytes, the same function that sizes the real caches). N_kv_heads is N_heads
+for GPT-2; Llama-3 and Mistral share each cached key/value head among 4 query heads
+(grouped-query attention), which is why they cache a quarter as much per token. A sliding
+window (Mistral's 4096 tokens) caps the columns: attention never looks further back.
+
+    python memory_plan.py
+    python memory_plan.py --memory 80GiB --length 32768 --weights-dtype int4
+    python memory_plan.py --plot docs/kv_memory.png
+"""
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from base_model import GPT
+from checkpoint import BUNDLED, default_checkpoint, load_model
+from cli import ArgumentParser, UserError, positive_int, run
+from kv_quant import KV_DTYPES, head_bytes, kv_cache_bytes, kv_bytes_per_token
+
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}  # per parameter, scales not counted
+UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the cache's size depends on, and the weights' count for comparison."""
+    name: str
+    n_layer: int
+    n_head: int          # query heads
+    n_kv_heads: int      # cached key/value heads: n_head (MHA), fewer (GQA), 1 (MQA)
+    head_dim: int
+    params: int
+    context: int         # the longest sequence the model was made for
+    window: int = None   # sliding-window attention: the cache keeps this many tokens at most
+
+
+def gpt2_params(n_layer, n_embd, vocab_size=50257, block_size=1024):
+    """Parameters of a GPT-2 (base_model.GPT with biases; lm_head tied to the embedding)."""
+    per_block = (2 * 2 * n_embd                          # ln_1, ln_2
+                 + 3 * n_embd * n_embd + 3 * n_embd      # c_attn
+                 + n_embd * n_embd + n_embd              # attn c_proj
+                 + 4 * n_embd * n_embd + 4 * n_embd      # c_fc
+                 + 4 * n_embd * n_embd + n_embd)         # mlp c_proj
+    return (vocab_size + block_size) * n_embd + n_layer * per_block + 2 * n_embd
+
+
+def llama_params(n_layer, d_model, n_head, n_kv_heads, d_ffn, vocab_size):
+    """Parameters of a Llama-style model: no biases, RMSNorm, SwiGLU, untied output layer."""
+    kv_width = n_kv_heads * (d_model // n_head)
+    per_block = (2 * d_model * d_model + 2 * d_model * kv_width   # q, o; k, v
+                 + 3 * d_model * d_ffn + 2 * d_model)             # gate, up, down; two norms
+    return 2 * vocab_size * d_model + n_layer * per_block + d_model
+
+
+def gpt2(name, n_layer, n_head, n_embd):
+    return Shape(name, n_layer, n_head, n_head, n_embd // n_head, gpt2_params(n_layer, n_embd), 1024)
+
+
+NAMED = [
+    gpt2("GPT-2 small", 12, 12, 768),
+    gpt2("GPT-2 medium", 24, 16, 1024),
+    gpt2("GPT-2 large", 36, 20, 1280),
+    gpt2("GPT-2 xl", 48, 25, 1600),
+    Shape("Llama-2-7B-like (MHA)", 32, 32, 32, 128, llama_params(32, 4096, 32, 32, 11008, 32000), 4096),
+    Shape("Llama-3-8B-like (GQA 32/8)", 32, 32, 8, 128, llama_params(32, 4096, 32, 8, 14336, 128256), 8192),
+    Shape("Mistral-7B-like (GQA, window 4096)", 32, 32, 8, 128,
+          llama_params(32, 4096, 32, 8, 14336, 32000), 32768, window=4096),
+]
+
+
+def checkpoint_shape(args):
+    """The Shape of the model that --ckpt/--hf (or the default chain) names."""
+    load = load_model
+    if args.hf:
+        from hf_gpt2 import load_hf_model as load  # only --hf users need this bridge
+    path = Path(args.hf or args.ckpt or default_checkpoint())
+    model, _ = load(GPT, path, report=lambda line: print(line, file=sys.stderr))
+    c = model.config
+    name = "bundled model" if path.resolve() == BUNDLED else path.name
+    return Shape(name, c.n_layer, c.n_head, c.n_head, c.head_dim, model.num_params(), c.block_size)
+
+
+def cache_bytes(shape, kv_dtype, length, batch_size=1):
+    return kv_cache_bytes(shape.n_layer, shape.n_kv_heads, shape.head_dim, kv_dtype, length,
+                          batch_size, shape.window)
+
+
+def sequences_that_fit(shape, kv_dtype, length, memory, weights_dtype):
+    """How many sequences of `length` tokens fit in `memory` bytes once the weights are in."""
+    free = memory - shape.params * WEIGHT_BYTES[weights_dtype]
+    return max(0, int(free // cache_bytes(shape, kv_dtype, length)))
+
+
+# ---------------------------------------------------------------------------- report
+
+def human(nbytes):
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g} {unit}" if nbytes < 1000 * size else f"{nbytes / size:,.0f} {unit}"
+    return f"{nbytes:g} B"
+
+
+def tokens_label(n):
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def print_tables(shapes, kv_dtypes, lengths, memory, length, weights_dtype):
+    print("## Models: the terms of the formula, and the weights (parameters x bytes)\n")
+    print("| model | layers | heads (query / key-value) | head_dim | window | context | parameters | "
+          + " | ".join(f"weights {w}" for w in WEIGHT_BYTES) + " |")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(WEIGHT_BYTES))
+    for s in shapes:
+        print(f"| {s.name} | {s.n_layer} | {s.n_head} / {s.n_kv_heads} | {s.head_dim} | "
+              f"{s.window or '-'} | {s.context:,} | {s.params / 1e6:,.0f}M | "
+              + " | ".join(human(s.params * b) for b in WEIGHT_BYTES.values()) + " |")
+
+    print(f"\n## KV cache of one sequence, and what fits in {human(memory)} next to "
+          f"{weights_dtype} weights\n")
+    print("| model | kv dtype | bytes per head (k or v) | per token | "
+          + " | ".join(tokens_label(n) for n in lengths)
+          + " | tokens where cache = weights | sequences that fit |")
+    print("|---|---|---|---|" + "---|" * len(lengths) + "---|---|")
+    for s in shapes:
+        fit_length = min(length, s.context)
+        weights = s.params * WEIGHT_BYTES[weights_dtype]
+        for kv in kv_dtypes:
+            per_token = kv_bytes_per_token(s.n_layer, s.n_kv_heads, s.head_dim, kv)
+            cells = [human(cache_bytes(s, kv, n)) + ("*" if n > s.context else "") for n in lengths]
+            fit = sequences_that_fit(s, kv, fit_length, memory, weights_dtype)
+            print(f"| {s.name} | {kv} | {head_bytes(s.head_dim, kv)} B | {human(per_token)} | "
+                  + " | ".join(cells) + f" | {weights / per_token:,.0f} | "
+                  f"{fit:,} of {tokens_label(fit_length)} tokens |")
+    print("\n\\* longer than the model's context: what the formula gives, not a length it can run. "
+          "Tokens where cache = weights: summed over the batch (the window not counted). "
+          f"Sequences that fit: of --length {length} tokens, or the model's context if shorter.")
+
+
+def plot(shapes, kv_dtypes, memory, path, plt):
+    """Cache bytes of one sequence vs its length, for the first and last of kv_dtypes (the
+    table has them all): bold up to each model's context, faint past it."""
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    shown = dict(zip(sorted({kv_dtypes[0], kv_dtypes[-1]}, key=kv_dtypes.index), ["-", "--"]))
+    lengths = [2 ** k for k in range(7, 18)]  # 128 .. 128k tokens
+    for i, s in enumerate(shapes):
+        for kv, style in shown.items():
+            inside = [n for n in lengths if n <= s.context] + [s.context]
+            outside = [s.context] + [n for n in lengths if n > s.context]
+            ax.plot(inside, [cache_bytes(s, kv, n) for n in inside], linestyle=style, color=f"C{i}",
+                    linewidth=2, label=s.name if style == "-" else None)
+            ax.plot(outside, [cache_bytes(s, kv, n) for n in outside], linestyle=style,
+                    color=f"C{i}", linewidth=1, alpha=0.3)
+    for kv, style in shown.items():  # one legend entry per line style
+        ax.plot([], [], color="black", linestyle=style, label=f"{kv} cache")
+    ax.axhline(memory, color="black", linewidth=0.8)
+    ax.text(lengths[0], memory * 1.2, f"{human(memory)}: the whole memory", fontsize=9)
+    ax.set(xscale="log", yscale="log", xlabel="tokens in the sequence (faint: past the model's context)",
+           ylabel="KV cache bytes, one sequence", title="KV cache vs context length (batch 1)")
+    ax.set_xticks(lengths[::2], [tokens_label(n) for n in lengths[::2]])
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def parse_bytes(text):
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*", text, flags=re.IGNORECASE)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (examples: 24GiB, 80GB, 512MiB)")
+    return int(float(match.group(1)) * UNITS[(match.group(2) or "B").upper()])
+
+
+def main():
+    p = ArgumentParser(description="KV cache memory per token, per sequence and per GPU, for "
+                       "named model shapes and every cache dtype (see the module docstring).")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--ckpt", help="also plan for this checkpoint (default: the default chain)")
+    source.add_argument("--hf", metavar="DIR", help="also plan for this Hugging Face GPT-2 directory")
+    p.add_argument("--memory", default="24GiB", help="memory for weights and caches (default: 24GiB)")
+    p.add_argument("--length", type=positive_int, default=4096,
+                   help="sequence length for the fit column (default: 4096)")
+    p.add_argument("--weights-dtype", choices=list(WEIGHT_BYTES), default="bfloat16",
+                   help="weights' dtype in the fit column (default: bfloat16)")
+    p.add_argument("--kv-dtypes", default="float32,bfloat16,int8,int4",
+                   help="cache dtypes, comma-separated, from " + ", ".join(KV_DTYPES)
+                   + " (default: float32,bfloat16,int8,int4; float16 takes bfloat16's bytes)")
+    p.add_argument("--plot", metavar="PATH", help="write cache bytes vs length as a PNG (needs matplotlib)")
+    args = p.parse_args()
+    try:
+        memory = parse_bytes(args.memory)
+    except ValueError as e:
+        p.error(f"--memory: {e}")
+    kv_dtypes = args.kv_dtypes.split(",")
+    if not set(kv_dtypes) <= set(KV_DTYPES):
+        p.error(f"--kv-dtypes: choose from {', '.join(KV_DTYPES)}, got {args.kv_dtypes}")
+    plt = None
+    if args.plot:  # checked before any work
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+    shapes = [checkpoint_shape(args)] + NAMED
+    print_tables(shapes, kv_dtypes, [1024, 4096, 32768, 131072], memory, args.length, args.weights_dtype)
+    if plt:
+        plot(shapes, kv_dtypes, memory, args.plot, plt)
+
+
+if __name__ == "__main__":
+    run(main)
