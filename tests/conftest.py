@@ -13,6 +13,7 @@ sys.path.insert(0, str(ROOT))
 from base_model import GPTConfig  # noqa: E402
 from checkpoint import save_checkpoint  # noqa: E402
 from kv_cache import KVCacheGPT  # noqa: E402
+from validation import encoding_from_spec  # noqa: E402
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -29,6 +30,11 @@ def byte_tokenizer_spec():
     return {"name": "bytes", "pat_str": GPT2_PATTERN,
             "mergeable_ranks": [bytes([i]) for i in range(256)],
             "special_tokens": {"<|endoftext|>": 256}}
+
+
+def byte_tokenizer():
+    """byte_tokenizer_spec as a tiktoken Encoding, through the loaders' own validation."""
+    return encoding_from_spec(byte_tokenizer_spec(), "bytes")
 
 
 def tiny_model(config, seed=0, cls=KVCacheGPT):

@@ -23,8 +23,7 @@ import pytest
 import torch
 
 from base_model import GPT, GPTConfig, GenerationStats
-from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
-from checkpoint import tokenizer_from_spec
+from conftest import TINY_CONFIGS, byte_tokenizer, tiny_model
 from kv_cache import ConcatCache, KVCache
 from kv_quant import (KV_DTYPES, QUANT_BITS, CastKVCache, QuantizedKVCache, dequantize,
                       group_size, head_bytes, kv_cache_bytes, new_kv_cache, pack_int4,
@@ -230,7 +229,7 @@ def test_score_through_cache(kind):
     # (float noise only), int4 a loss close to it; rows=2 splits the windows into batches
     from generate import nats_through_cache, score, score_windows
     config = GPTConfig(block_size=32, vocab_size=260, n_layer=2, n_head=2, n_embd=32)
-    model, tokenizer = tiny_model(config, seed=3), tokenizer_from_spec(byte_tokenizer_spec(), "bytes")
+    model, tokenizer = tiny_model(config, seed=3), byte_tokenizer()
     text = "Fair is foul, and foul is fair: hover through the fog and filthy air. " * 3
     plain = score(model, tokenizer, text, "cpu")
     through = score(model, tokenizer, text, "cpu", kind)

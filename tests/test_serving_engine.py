@@ -13,13 +13,12 @@ import pytest
 import torch
 
 from base_model import GPTConfig
-from validation import encoding_from_spec
-from conftest import byte_tokenizer_spec, tiny_model
+from conftest import byte_tokenizer, tiny_model
 from serving.engine import Engine, SamplingParams
 from serving.paged_cache import BlockPool
 
 CONFIG = GPTConfig(block_size=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
-TOKENIZER = encoding_from_spec(byte_tokenizer_spec(), "bytes")
+TOKENIZER = byte_tokenizer()
 GREEDY = dict(temperature=0, stop_at_eot=False)
 
 

@@ -18,13 +18,12 @@ pytest.importorskip("aiohttp")
 openai = pytest.importorskip("openai")
 
 from base_model import GPTConfig  # noqa: E402
-from validation import encoding_from_spec  # noqa: E402
-from conftest import ROOT, byte_tokenizer_spec, tiny_model  # noqa: E402
+from conftest import ROOT, byte_tokenizer, tiny_model  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.server import BackgroundServer  # noqa: E402
 
 CONFIG = GPTConfig(block_size=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
-TOKENIZER = encoding_from_spec(byte_tokenizer_spec(), "bytes")
+TOKENIZER = byte_tokenizer()
 NAME = "tiny"
 
 
