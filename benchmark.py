@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from datetime import date
+from pathlib import Path
 
 # cli first, before torch: Ctrl-C during the slow imports then ends quietly (see cli.py)
 from cli import (MARK, ArgumentParser, UserError, add_model_args, check_output_path, json_text,

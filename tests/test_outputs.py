@@ -146,6 +146,7 @@ def test_benchmark_plot_is_marked_ours(tmp_path):
     import benchmark
     curve = {"total_s": {4: {"median": 1.0}, 8: {"median": 2.0}}, "latency_ms": {4: 1.0, 8: 2.0}}
     report = {"cost_curves": {"shape": "tiny", "lengths": [4, 8], "curves": {k: curve for k in benchmark.KINDS}},
+              "batch": [{"model": "tiny", "sizes": {1: {"tok_s": {"median": 10.0}}, 4: {"tok_s": {"median": 30.0}}}}],
               "machine": "test", "date": "today"}
     path = tmp_path / "plot.png"
     benchmark.plot(report, check_output_path(path, "png"), plt)

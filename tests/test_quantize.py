@@ -16,6 +16,7 @@ of them (20 seeds, three shapes).
 """
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -236,8 +237,8 @@ def test_a_refused_scheme_leaves_the_model_unchanged():
 def test_greedy_cached_equals_naive_when_quantized(scheme, config):
     # both loops run the quantized model; as in test_parity.py for fp32, their greedy
     # tokens agree (measured: 120 of 120 on every config and seed tried)
-    if scheme == "int4" and config.n_embd % 32:
-        pytest.skip("int4 needs n_embd to be a multiple of 32")
+    if scheme == "int4" and config.n_embd % 32:  # int4 groups 32 input channels: widen
+        config = dataclasses.replace(config, n_embd=96)  # still 3 heads of 32
     model = quantize_model(tiny_model(config), scheme)
     prompt = torch.tensor([[1, 2, 3]])
     cached = model.generate(prompt, 120, temperature=0)

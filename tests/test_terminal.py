@@ -35,6 +35,13 @@ def generate(ckpt, *args, close=(), env=None, **kw):
                           env={**os.environ, **(env or {})}, timeout=120, **kw)
 
 
+def as_at_a_terminal():
+    """Ctrl-C reaches a script started at a terminal. A job started in the background by a
+    non-interactive shell (`pytest &`, some CI runners) ignores SIGINT, its children inherit
+    that, and Python then installs no KeyboardInterrupt handler: restore the default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_closed_stdout_is_one_line(ckpt):
     proc = generate(ckpt, "--prompt", "a", close=[1], stderr=subprocess.PIPE, text=True)
     assert proc.returncode == 2 and proc.stderr.strip().endswith("standard output is closed (>&-); "
@@ -47,7 +54,7 @@ def test_closed_stderr_and_stdin_leave_json_clean(ckpt):
     them; nothing but the JSON may reach stdout."""
     proc = generate(ckpt, "--prompt", "a", "--json", "--stats", close=[0, 2], stdout=subprocess.PIPE)
     assert proc.returncode == 0
-    assert set(json.loads(proc.stdout)) == {"prompt", "texts", "stats"}
+    assert set(json.loads(proc.stdout)) == {"prompts", "prompt", "texts", "stats"}
 
 
 def test_closed_stdin(ckpt):
@@ -80,7 +87,8 @@ def test_ctrl_c_while_torch_loads(ckpt):
     """SIGINT once torch's library is being loaded (the script is importing): the process
     ends at once, by the signal (the shell shows 130), with no traceback."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "generate.py"), "--ckpt", str(ckpt)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            preexec_fn=as_at_a_terminal)
     deadline = time.monotonic() + 60
     while not mapped(proc.pid, "libtorch") and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.005)
@@ -95,7 +103,7 @@ def test_ctrl_c_in_main_exits_130(ckpt, tmp_path):
     os.mkfifo(fifo)
     proc = subprocess.Popen([sys.executable, str(ROOT / "generate.py"), "--ckpt", str(ckpt),
                              "--prompt-file", str(fifo)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, preexec_fn=as_at_a_terminal)
     deadline = time.monotonic() + 120
     while True:  # opening the write end succeeds once generate.py has opened the read end
         try:
