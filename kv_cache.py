@@ -541,6 +541,7 @@ def main():
           + (f"; {args.kv_dtype} also rounds what it stores" if kv else "") + ")")
 
     print(f"\n2. Speed: {args.tokens} new tokens, greedy, batch 1, {device.type}"
+          + (f", {args.quantize} weights (both loops)" if args.quantize != "none" else "")
           + (f", {args.kv_dtype} cache" if kv else ""))
     prompt = torch.tensor([tokenizer.encode("ROMEO:\n")], device=device)
     n_vocab = tokenizer.n_vocab
