@@ -54,7 +54,9 @@ def import_vllm():
 def theirs(vllm, hf_dir, prompts, n):
     """vLLM's greedy tokens, offline (LLM.generate), eager mode, fp32, run to n tokens."""
     LLM, SamplingParams = vllm.LLM, vllm.SamplingParams
-    llm = LLM(model=str(hf_dir), dtype="float32", enforce_eager=True)
+    # on the CPU backend gpu_memory_utilization is the share of RAM vLLM reserves (for
+    # its KV cache); its default, 0.92, fails wherever anything else holds memory
+    llm = LLM(model=str(hf_dir), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3)
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
     return [list(o.outputs[0].token_ids) for o in outputs]
