@@ -28,12 +28,12 @@ import statistics
 import threading
 import time
 from datetime import date
-from pathlib import Path
 
 import torch
 
 from base_model import GPTConfig, store_linears_column_major
-from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
+from cli import (MARK, ArgumentParser, UserError, add_model_args, check_output_path, json_text,
+                 load_from_args, positive_int, run, write_atomically)
 from kv_cache import KVCache, KVCacheGPT
 from serving.engine import Engine, SamplingParams
 
@@ -320,13 +320,18 @@ def print_report(r):
               f"paged kernel {g['kernel_step_ms']:.1f} ms; dense KVCache step {g['dense_step_ms']:.1f} ms")
 
 
-def plot(r, path):
+def import_pyplot():
+    """matplotlib's pyplot, or one line saying how to get it (asked before the run)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+    return plt
+
+
+def plot(r, path, plt):
     modes = list(r["modes"])
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, (key, label) in zip(axes, [("tok_s", "output tokens/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
@@ -335,8 +340,9 @@ def plot(r, path):
         ax.set(title=label)
     fig.suptitle(f"{r['model']}: {r['workload']['requests']} requests, {r['date']}")
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    # the Software text chunk marks the PNG as ours (cli.check_output_path)
+    write_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110,
+                                                   metadata={"Software": f"{MARK} serving.bench"}))
 
 
 def length_range(text):
@@ -374,6 +380,10 @@ def main():
     modes = args.modes.split(",")
     if not set(modes) <= set(MODES):
         p.error(f"--modes: choose from {', '.join(MODES)}")
+    # outputs are checked before the run: never over a file we did not write
+    json_path = args.json is not None and check_output_path(args.json, "json")
+    plt = args.plot is not None and import_pyplot()
+    plot_path = args.plot is not None and check_output_path(args.plot, "png")
 
     if args.shape:
         torch.manual_seed(args.seed)
@@ -422,11 +432,10 @@ def main():
     r["gather"] = gather_cost(model, tokenizer, args, running_peak,
                               min(block_size - 1, int(statistics.mean(lengths))))
     print_report(r)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(r, indent=1))
-    if args.plot:
-        plot(r, args.plot)
+    if json_path:
+        write_atomically(json_path, json_text(r, generator="serving.bench", indent=1))
+    if plot_path:
+        plot(r, plot_path, plt)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ Not part of the test suite: vLLM is a large install. In a separate virtual envir
     # on a CPU machine; nothing here needs them
     pip uninstall -y torchvision torchaudio torchcodec
     python -m serving.check_vllm                      # the bundled model, two prompts
+    python -m serving.check_vllm --throughput 64      # then vLLM's output tokens/s, 64 at once
 
 Offline, vLLM needs the loopback interface up and VLLM_HOST_IP=127.0.0.1 (set here).
 Then `vllm serve OUT_DIR --served-model-name kvcache-gpt ...` answers the same
@@ -18,8 +19,10 @@ OpenAI requests as serve.py (README, "Serving").
 """
 
 import os
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -51,15 +54,33 @@ def import_vllm():
     return vllm
 
 
-def theirs(vllm, hf_dir, prompts, n):
-    """vLLM's greedy tokens, offline (LLM.generate), eager mode, fp32, run to n tokens."""
-    LLM, SamplingParams = vllm.LLM, vllm.SamplingParams
+def load_vllm(vllm, hf_dir):
+    """vLLM offline (LLM), eager mode, fp32."""
     # on the CPU backend gpu_memory_utilization is the share of RAM vLLM reserves (for
     # its KV cache); its default, 0.92, fails wherever anything else holds memory
-    llm = LLM(model=str(hf_dir), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3)
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
+    return vllm.LLM(model=str(hf_dir), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3)
+
+
+def theirs(vllm, llm, prompts, n):
+    """vLLM's greedy tokens for each prompt, run to n tokens."""
+    params = vllm.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def throughput(vllm, llm, requests, prompt_len, n, reps=3):
+    """vLLM's output tokens/s on `requests` random prompts of prompt_len tokens submitted
+    at once, n new tokens each (the serving benchmark's all-at-once workload, for an anchor
+    measured on this machine): median and min-max of reps runs after a warm-up."""
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(llm.get_tokenizer().vocab_size, (requests, prompt_len), generator=g).tolist()
+    theirs(vllm, llm, prompts[:2], 8)  # warm-up
+    rates = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        theirs(vllm, llm, prompts, n)
+        rates.append(requests * n / (time.perf_counter() - t0))
+    return statistics.median(rates), min(rates), max(rates)
 
 
 def main():
@@ -69,6 +90,9 @@ def main():
     p.add_argument("--out", metavar="DIR", help="export here (default: a temporary directory)")
     p.add_argument("--prompt", action="append", help=f"repeatable (default: {PROMPTS})")
     p.add_argument("--tokens", type=positive_int, default=60, help="new tokens (default: 60)")
+    p.add_argument("--throughput", type=positive_int, metavar="N", help="then time N requests of "
+                   "16 random prompt tokens and 128 new tokens submitted at once (vLLM's output "
+                   "tokens/s: the anchor for python -m serving.bench on this machine)")
     args = p.parse_args()
     vllm = import_vllm()  # before any work: most environments do not have it
     out = Path(args.out or tempfile.mkdtemp(prefix="hf-export-"))
@@ -76,7 +100,8 @@ def main():
     model, tokenizer = load_model(KVCacheGPT, args.ckpt, report=lambda line: None)
     prompts = [tokenizer.encode_ordinary(t) or [tokenizer.eot_token] for t in args.prompt or PROMPTS]
     expected = ours(model, tokenizer, prompts, args.tokens)
-    got = theirs(vllm, out, prompts, args.tokens)
+    llm = load_vllm(vllm, out)
+    got = theirs(vllm, llm, prompts, args.tokens)
     same = 0
     for text, a, b in zip(args.prompt or PROMPTS, expected, got):
         match = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -87,6 +112,10 @@ def main():
         if match is not None:
             print(f"  vLLM: {tokenizer.decode(b)!r}")
     print(f"{same} of {len(prompts)} prompts identical; the export is in {out}")
+    if args.throughput:
+        median, low, high = throughput(vllm, llm, args.throughput, 16, 128)
+        print(f"vLLM, {args.throughput} requests x 128 new tokens at once: {median:.0f} "
+              f"[{low:.0f}-{high:.0f}] output tokens/s")
     if same < len(prompts):
         sys.exit(1)
 

@@ -33,3 +33,13 @@ def test_bad_modes_exit_2():
     proc = subprocess.run([sys.executable, "-m", "serving.bench", "--modes", "turbo"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_outputs_checked_before_the_run(tmp_path):
+    """--json over a file we did not write is refused up front, and the file is untouched."""
+    precious = tmp_path / "notes.json"
+    precious.write_text('{"mine": 1}')
+    proc = subprocess.run([sys.executable, "-m", "serving.bench", "--json", str(precious)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "was not written by kvcache-gpt" in proc.stderr
+    assert precious.read_text() == '{"mine": 1}'
