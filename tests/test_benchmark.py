@@ -1,13 +1,16 @@
 """benchmark.py runs end to end (tiny sizes: the real figures come from real runs)."""
 
+import contextlib
 import json
 import subprocess
 import sys
-from argparse import Namespace
 
+import pytest
 import torch
 
 from checkpoint import ROOT
+from conftest import TINY_CONFIGS
+from kv_cache import KVCacheGPT
 
 
 def test_quick_benchmark_writes_its_report(tmp_path):
@@ -24,16 +27,20 @@ def test_quick_benchmark_writes_its_report(tmp_path):
     assert curves["naive"]["total_s"]["8"]["estimated"] is False  # the real naive run
     floor = report["floor"]
     assert floor["cache_bytes_formula"] == floor["cache_bytes_real"]
-    assert floor["matvec_ms"] > 0 and report["seed_demo"]["speedup"] > 0
-    # the weight formats table: int8 reads about a quarter of fp32's bytes, int4 an eighth
-    # plus its per-group scales; the checkpoint's fp32 row agrees with itself
-    checkpoint, shape = report["quantization"]["models"]
-    formats = {f["format"]: f for f in shape["formats"]}
-    fp32 = formats["fp32"]["weight_bytes"]
-    assert fp32 / 4 < formats["int8"]["weight_bytes"] < fp32 / 3.9
-    assert fp32 / 8 < formats["int4"]["weight_bytes"] < fp32 / 6
-    assert checkpoint["formats"][0]["greedy_prefix_same"] == 8
-    kernels = report["quantization"]["kernels"]["variants"]
+    assert floor["matvec_ms"] > 0 and floor["decode_over_floor"] > 0 and report["seed_demo"]["speedup"] > 0
+    # the decode-speed table: int8 reads about a quarter of fp32's bytes, int4 an eighth plus
+    # its per-group scales; the checkpoint's fp32 row agrees with itself; --quick leaves
+    # the compiled row out and says so, --no-peer llama.cpp's
+    speed = report["decode_speed"]
+    assert "--quick" in speed["compile_note"] and "--no-peer" in speed["llama_cpp_note"]
+    checkpoint, shape = speed["models"]
+    assert list(shape["rows"]) == ["ours fp32 eager", "ours bf16", "ours int8", "ours int4"]
+    rows = shape["rows"]
+    fp32 = rows["ours fp32 eager"]["weight_bytes"]
+    assert fp32 / 4 < rows["ours int8"]["weight_bytes"] < fp32 / 3.9
+    assert fp32 / 8 < rows["ours int4"]["weight_bytes"] < fp32 / 6
+    assert checkpoint["rows"]["ours fp32 eager"]["greedy_leading_same"] == checkpoint["tokens"] == 8
+    kernels = report["kernels"]["variants"]
     assert all(v["ms"] > 0 for v in kernels.values())
     assert "int8, fp32 activations" in kernels and "int4 groups of 128, bf16 activations" in kernels
 
@@ -44,21 +51,51 @@ def test_bad_lengths_exit_2():
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_peers_report_what_ran():
-    """The peer section at tiny sizes: a note only for a peer that did not run (each says
-    how to install what it needs), rows with their greedy-token comparison for one that did."""
-    from benchmark import peers, random_model
-    from peers import llama_cpp_missing
-    args = Namespace(no_peer=False, quick=True, demo_tokens=8, ckpt="tiny", hf=None)
-    r = peers(args, random_model("tiny", torch.device("cpu")), torch.device("cpu"), reps=1)
+def test_transformers_peer_reports_what_ran():
+    """The transformers table at tiny sizes: a note saying how to install it when it did
+    not run, rows with their greedy-token comparison when it did."""
+    from benchmarks.cache_cost import random_model
+    from benchmarks.peers import transformers_table
+    cpu = torch.device("cpu")
+    r = transformers_table({"tiny": random_model("tiny", cpu)}, cpu, n=8, reps=1)
     try:
         import transformers  # noqa: F401
         assert r["peer_note"] is None and r["peer"][0]["tokens"] == 8
     except ImportError:
         assert r["peer"] is None and "pip install" in r["peer_note"]
-    if llama_cpp_missing():
-        assert r["llama_cpp"] is None and "requirements-llama.txt" in r["llama_cpp_note"]
-    else:
-        assert r["llama_cpp_note"] is None
-        assert [row["model"] for row in r["llama_cpp"]] == ["tiny", "tiny shape"]
-        assert set(r["llama_cpp"][0]["llama_cpp"]) == {"f32", "f16", "q8_0"}
+
+
+@contextlib.contextmanager
+def fake_llama_engines(label, model):
+    yield {"f32": ("engine", 1000, 0.0)}
+
+
+def test_decode_speed_table_structure(monkeypatch):
+    """The decode-speed table on a tiny model, the compiled row left out (compiling takes
+    minutes) and llama.cpp faked by our own fp32 tokens: every contestant gets a row with
+    its bytes, floor, ratio to llama.cpp f32 and greedy agreement. No timing is checked."""
+    from benchmarks import decode_speed as ds
+    from benchmarks.cache_cost import bandwidth_floor
+    torch.manual_seed(0)
+    model = KVCacheGPT(TINY_CONFIGS[0]).eval()
+    reference = ds.ours_run(model, ds.random_prompt(model.config.vocab_size), 8, False)()[0]
+    monkeypatch.setattr(ds, "llama_cpp_engines", fake_llama_engines)
+    monkeypatch.setattr(ds, "llama_greedy", lambda llm, ids, n: reference[:n])
+    floors = {"tiny": bandwidth_floor(model, reps=1)}
+    r = ds.decode_speed({"tiny": model}, 8, 1, floors, compile_note="compiled row skipped")
+    assert r["compile_note"] == "compiled row skipped" and r["llama_cpp_note"] is None
+    (table,) = r["models"]
+    assert table["tokens"] == 8 and table["skipped"] == {}
+    assert list(table["rows"]) == ["ours fp32 eager", "ours bf16", "ours int8", "ours int4", "llama.cpp f32"]
+    for name, row in table["rows"].items():
+        assert row["tok_s"]["min"] <= row["tok_s"]["median"] <= row["tok_s"]["max"]
+        assert row["floor_ms"] == pytest.approx(row["weight_bytes"] / floors["tiny"]["read_GBps"] / 1e6)
+        assert row["vs_llama_cpp_f32"] > 0 and 0 <= row["greedy_leading_same"] <= 8
+    assert table["rows"]["llama.cpp f32"]["vs_llama_cpp_f32"] == 1
+    assert table["rows"]["llama.cpp f32"]["greedy_leading_same"] == 8
+    assert table["rows"]["ours bf16"]["weight_bytes"] == table["rows"]["ours fp32 eager"]["weight_bytes"] / 2
+    # without llama.cpp, or leaving out quantization: ours alone, no ratio column
+    r = ds.decode_speed({"tiny": model}, 8, 1, floors, compile_note="x", llama_cpp_note="absent",
+                        quantize=False)
+    rows = r["models"][0]["rows"]
+    assert list(rows) == ["ours fp32 eager", "ours bf16"] and "vs_llama_cpp_f32" not in rows["ours bf16"]

@@ -20,7 +20,9 @@ import torch
 from checkpoint import BUNDLED, load_model
 from export_gguf import export
 from kv_cache import KVCacheGPT
-from peers import llama_cpp_peer, llama_greedy
+from benchmarks.cache_cost import bandwidth_floor
+from benchmarks.decode_speed import decode_speed
+from benchmarks.peers import llama_greedy
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: "
                     "pip install -r requirements-llama.txt")
@@ -113,12 +115,19 @@ def test_lossy_files_stay_close(bundled, outtype, worst, agree):
     assert diff < worst and same >= agree
 
 
-def test_benchmark_peer(bundled):
-    """benchmark.py's llama.cpp row on the bundled model: llama.cpp's greedy tokens are ours."""
+def test_benchmark_decode_speed(bundled):
+    """benchmark.py's decode-speed table on the bundled model, with llama.cpp's rows:
+    llama.cpp f32's greedy tokens are ours (q8_0 rounds the weights: fewer may be)."""
     ours, _, _ = bundled
-    row = llama_cpp_peer("bundled", ours, 40, reps=1, outtypes=("f32",))
-    assert row["llama_cpp"]["f32"]["greedy_tokens_matched"] == row["tokens"] == 40
-    assert row["ours_tok_s"]["median"] > 0 and row["ours_over_llama_cpp_f32"] > 0
+    floors = {"bundled": bandwidth_floor(ours, reps=1)}
+    r = decode_speed({"bundled": ours}, 40, 1, floors, compile_note="skipped", quantize=False)
+    rows = r["models"][0]["rows"]
+    assert list(rows) == ["ours fp32 eager", "ours bf16", "llama.cpp f32", "llama.cpp f16", "llama.cpp q8_0"]
+    assert rows["llama.cpp f32"]["greedy_leading_same"] == r["models"][0]["tokens"] == 40
+    # the same weights, so the same bytes per step in f32; f16 half of them
+    assert rows["llama.cpp f32"]["weight_bytes"] == rows["ours fp32 eager"]["weight_bytes"]
+    assert rows["llama.cpp f16"]["weight_bytes"] == rows["llama.cpp f32"]["weight_bytes"] // 2
+    assert rows["ours fp32 eager"]["vs_llama_cpp_f32"] > 0
 
 
 # ---------------------------------------------------------------------------- a Hugging Face GPT-2

@@ -143,11 +143,12 @@ def test_failed_export_leaves_nothing_behind(tmp_path, tiny_ckpt, monkeypatch):
 def test_benchmark_plot_is_marked_ours(tmp_path):
     """benchmark.py's PNG carries the mark that lets the next run replace it."""
     plt = pytest.importorskip("matplotlib.pyplot")
-    import benchmark
+    from benchmarks.cache_cost import KINDS
+    from benchmarks.report import plot
     curve = {"total_s": {4: {"median": 1.0}, 8: {"median": 2.0}}, "latency_ms": {4: 1.0, 8: 2.0}}
-    report = {"cost_curves": {"shape": "tiny", "lengths": [4, 8], "curves": {k: curve for k in benchmark.KINDS}},
+    report = {"cost_curves": {"shape": "tiny", "lengths": [4, 8], "curves": {k: curve for k in KINDS}},
               "batch": [{"model": "tiny", "sizes": {1: {"tok_s": {"median": 10.0}}, 4: {"tok_s": {"median": 30.0}}}}],
               "machine": "test", "date": "today"}
     path = tmp_path / "plot.png"
-    benchmark.plot(report, check_output_path(path, "png"), plt)
+    plot(report, check_output_path(path, "png"), plt)
     assert check_output_path(path, "png") == path and os.listdir(tmp_path) == ["plot.png"]

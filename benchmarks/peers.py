@@ -1,8 +1,9 @@
 """
 The systems people actually use, measured on identical weights next to ours:
 Hugging Face transformers (GPT2LMHeadModel.generate) and llama.cpp, the C++ engine behind
-ollama and LM Studio (through its Python binding, llama-cpp-python). benchmark.py calls
-these and prints the results.
+ollama and LM Studio (through its Python binding, llama-cpp-python). transformers has its
+own table (transformers_table); llama.cpp's engines are contestants in the decode-speed table
+(decode_speed.py), next to ours in each of its forms.
 
 Each peer gets our exact weights (transformers through export_hf's state dict, llama.cpp
 through a GGUF file written by export_gguf), the same prompt, the same length and greedy
@@ -10,6 +11,7 @@ decoding, and its tokens are compared with ours: a speed figure means little if 
 two models are not computing the same thing.
 """
 
+import contextlib
 import itertools
 import tempfile
 import time
@@ -18,8 +20,8 @@ from pathlib import Path
 import tiktoken
 import torch
 
+from benchmarks.timing import repeat, spread
 from kv_cache import synchronize
-from timing import alternate, repeat, spread
 
 PROMPT_TOKENS = 16
 LLAMA_OUTTYPES = ("f32", "f16", "q8_0")  # f32 is the like-for-like one; the others for reference
@@ -76,6 +78,16 @@ def transformers_peer(shape, ours, device, n, reps):
     return result
 
 
+def transformers_table(models, device, n, reps):
+    """transformers_peer on each of {name: model}: {"peer": rows, "peer_note": None}, or
+    no rows and a note saying how to install transformers."""
+    rows = [transformers_peer(name, model, device, n, reps) for name, model in models.items()]
+    if None in rows:
+        return {"peer": None, "peer_note": "skipped: transformers is not installed "
+                                           "(pip install -r requirements-dev.txt)"}
+    return {"peer": rows, "peer_note": None}
+
+
 # ---------------------------------------------------------------------------- llama.cpp
 
 def llama_cpp_missing():
@@ -119,36 +131,35 @@ def leading_matches(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def llama_cpp_peer(label, ours, n, reps, outtypes=LLAMA_OUTTYPES):
-    """Our decode next to llama.cpp's on identical weights (exported to GGUF in a temporary
-    folder), timed in turns, same prompt, length and thread count. Tokens per second count
-    the whole generation, prefill included, for both. CPU only."""
+def gguf_weight_bytes(path):
+    """Bytes of weights one decode step reads from a GGUF file: every matrix once (the
+    token embedding too: llama.cpp's output layer is tied to it), the position table left
+    out (a step reads one row), as for ours in weight_formats.weight_bytes_per_token."""
+    import gguf
+    positions = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.POS_EMBD]
+    reader = gguf.GGUFReader(path)
+    nbytes = sum(int(t.n_bytes) for t in reader.tensors
+                 if len(t.shape) == 2 and not t.name.startswith(positions))
+    del reader  # it maps the file
+    return nbytes
+
+
+@contextlib.contextmanager
+def llama_cpp_engines(label, model, outtypes=LLAMA_OUTTYPES):
+    """{outtype: (llama.cpp on our weights exported to GGUF in that type, the bytes of weights
+    a step reads, the seconds export and load took)}, in a temporary folder that goes, with
+    the engines, when the block ends. model: the fp32 weights. CPU only, torch's thread count."""
     from export_gguf import write_gguf
-    threads = torch.get_num_threads()
-    block_size = ours.config.block_size
-    n = min(n, block_size - PROMPT_TOKENS)  # learned positions end at block_size: no overflow
-    prompt = random_prompt(ours.config.vocab_size)
-    prompt_ids = prompt[0].tolist()
     with tempfile.TemporaryDirectory() as folder:
-        engines, sizes = {}, {}
-        for outtype in outtypes:
-            path = Path(folder) / f"{outtype}.gguf"
-            write_gguf(path, ours, placeholder_tokenizer(), outtype, label)
-            sizes[outtype] = path.stat().st_size
-            engines[outtype] = load_llama(path, block_size, threads)
-        runs = {"ours": lambda: ours.generate(prompt, n, temperature=0)}
-        runs |= {t: (lambda llm=llm: llama_greedy(llm, prompt_ids, n)) for t, llm in engines.items()}
-        seconds = alternate(runs, reps)
-        ours_tokens = ours.generate(prompt, n, temperature=0)[0, PROMPT_TOKENS:].tolist()
-        llama = {t: {"tok_s": spread([n / s for s in seconds[t]]), "file_bytes": sizes[t],
-                     "greedy_tokens_matched": leading_matches(ours_tokens, llama_greedy(llm, prompt_ids, n))}
-                 for t, llm in engines.items()}
-        for llm in engines.values():
-            llm.close()  # before the folder (and the files it maps) goes
-    ours_rate = spread([n / s for s in seconds["ours"]])
-    result = {"model": label, "params_m": ours.num_params() / 1e6, "tokens": n,
-              "prompt_tokens": PROMPT_TOKENS, "threads": threads, "ours_tok_s": ours_rate,
-              "llama_cpp": llama}
-    if "f32" in llama:
-        result["ours_over_llama_cpp_f32"] = ours_rate["median"] / llama["f32"]["tok_s"]["median"]
-    return result
+        engines = {}
+        try:
+            for outtype in outtypes:
+                path = Path(folder) / f"{outtype}.gguf"
+                t0 = time.perf_counter()
+                write_gguf(path, model, placeholder_tokenizer(), outtype, label)
+                llm = load_llama(path, model.config.block_size, torch.get_num_threads())
+                engines[outtype] = (llm, gguf_weight_bytes(path), time.perf_counter() - t0)
+            yield engines
+        finally:
+            for llm, _, _ in engines.values():
+                llm.close()  # before the folder (and the files it maps) goes

@@ -1,0 +1,136 @@
+"""
+The decode-speed table: ours in each of its forms next to llama.cpp on identical weights,
+each against the floor that the bytes it reads set.
+
+A batch-1 decode step reads every weight once to make one token, so its speed is bounded
+by memory bandwidth (the floor: bytes of weights per token / the bandwidth of a plain read
+of them) and, on a small model, by the overhead of running the step at all. The forms of
+ours attack one each: compiling the step (compiled_decode.py) removes Python and dispatch
+overhead; bf16, int8 and int4 weights (quantize.py) cut the bytes. llama.cpp, hand-written
+C++ kernels with no Python between steps, is the yardstick, in f32 (like for like), f16
+and q8_0 (its own 8-bit format).
+
+How it is fair: every contestant starts from the same fp32 weights (ours on its own copy;
+llama.cpp's files exported from them, whatever --dtype/--quantize loaded), gets the same
+16-token prompt, makes the same number of new tokens greedily with the same thread count,
+and tokens per second count the whole generation, prompt included, for all. They take
+turns (one of each, then again) after one warm-up each; the compile happens before the
+warm-up and is never timed. Greedy agreement with ours fp32 eager (leading tokens equal)
+says whether each one computes the same thing.
+"""
+
+import contextlib
+import copy
+import time
+
+import torch
+
+from base_model import GenerationStats
+from benchmarks.peers import (PROMPT_TOKENS, leading_matches, llama_cpp_engines, llama_greedy,
+                              random_prompt)
+from benchmarks.timing import alternate, spread, timed
+from benchmarks.weight_formats import weight_bytes_per_token
+from kv_cache import synchronize
+from quantize import INT4_GROUP_SIZE, quantize_model
+
+OURS = {  # name: (the model's dtype, weight-only quantization, compiled decode step)
+    "ours fp32 eager": (torch.float32, None, False),
+    "ours fp32 compiled": (torch.float32, None, True),
+    "ours bf16": (torch.bfloat16, None, False),     # --dtype bfloat16
+    "ours int8": (torch.float32, "int8", False),    # --quantize int8
+    "ours int4": (torch.float32, "int4", False),    # --quantize int4 [--group-size]
+}
+REFERENCE = "ours fp32 eager"  # greedy agreement is counted against its tokens
+BASELINE = "llama.cpp f32"     # the ratio column divides by its tokens/s
+
+
+def ours_variant(fp32_model, dtype, scheme, group_size):
+    """A copy of the fp32 model in one form (the Linear weights' column-major layout kept:
+    .to() and quantize_model copy from them)."""
+    model = copy.deepcopy(fp32_model).to(dtype)
+    return quantize_model(model, scheme, group_size) if scheme else model
+
+
+def compile_step(model, prompt):
+    """Compile the static-shape decode step for this model and prompt before any timed run
+    (compiled_decode_step keeps the graph on the model; later runs reuse it)."""
+    model.generate(prompt, 2, temperature=0, compile=True)
+
+
+def ours_run(model, prompt, n, compile):
+    """A contestant: n greedy tokens -> (their ids, seconds). stats.compile_seconds (the
+    compile, or after the first run only the check that the graph is ready) is left out."""
+    device = prompt.device
+
+    def run():
+        stats = GenerationStats()
+        synchronize(device)
+        t0 = time.perf_counter()
+        out = model.generate(prompt, n, temperature=0, compile=compile, stats=stats)
+        synchronize(device)
+        return out[0, prompt.size(1):].tolist(), time.perf_counter() - t0 - stats.compile_seconds
+    return run
+
+
+def llama_run(llm, prompt, n):
+    """A contestant: n greedy tokens from llama.cpp -> (their ids, seconds)."""
+    ids = prompt[0].tolist()
+    return lambda: timed(lambda: llama_greedy(llm, ids, n))
+
+
+def model_table(label, fp32_model, read_GBps, n, reps, ours, group_size, llama_engines):
+    """Every contestant on one model: ours (names from OURS) and llama.cpp's {outtype:
+    (engine, weight bytes, setup seconds)}. read_GBps: the plain-read bandwidth of this
+    model's fp32 weights, measured in this run (cache_cost.bandwidth_floor)."""
+    n = min(n, fp32_model.config.block_size - PROMPT_TOKENS)  # no re-prefill inside the run
+    prompt = random_prompt(fp32_model.config.vocab_size, fp32_model.lm_head.weight.device)
+    runs, rows, skipped = {}, {}, {}
+    for name in ours:
+        dtype, scheme, compile = OURS[name]
+        t0 = time.perf_counter()
+        try:
+            model = ours_variant(fp32_model, dtype, scheme, group_size)
+            if compile:
+                compile_step(model, prompt)
+        except Exception as e:  # a shape the scheme refuses; no C++ compiler for the compile
+            skipped[name] = f"{type(e).__name__}: {str(e).strip()[:160]}"
+            continue
+        # setup: the copy, cast and quantization, and the compile
+        rows[name] = {"weight_bytes": weight_bytes_per_token(model), "setup_s": time.perf_counter() - t0}
+        runs[name] = ours_run(model, prompt, n, compile)
+    for outtype, (llm, nbytes, setup_s) in llama_engines.items():
+        name = f"llama.cpp {outtype}"
+        rows[name] = {"weight_bytes": nbytes, "setup_s": setup_s}  # setup: export and load
+        runs[name] = llama_run(llm, prompt, n)
+    results = alternate(runs, reps)
+    reference = results[REFERENCE][-1][0]
+    for name, row in rows.items():
+        tokens = results[name][-1][0]
+        row["tok_s"] = spread([n / seconds for _, seconds in results[name]])
+        row["floor_ms"] = row["weight_bytes"] / read_GBps / 1e6
+        row["over_floor"] = 1e3 / row["tok_s"]["median"] / row["floor_ms"]
+        row["greedy_leading_same"] = leading_matches(tokens, reference)
+    if BASELINE in rows:
+        for row in rows.values():
+            row["vs_llama_cpp_f32"] = row["tok_s"]["median"] / rows[BASELINE]["tok_s"]["median"]
+    return {"model": label, "params_m": fp32_model.num_params() / 1e6, "tokens": n,
+            "read_GBps": read_GBps, "rows": rows, "skipped": skipped}
+
+
+def decode_speed(models, n, reps, floors, compile_note=None, llama_cpp_note=None,
+                 quantize=True, group_size=INT4_GROUP_SIZE):
+    """The table for each of {label: fp32 model}; floors: {label: bandwidth_floor(model)},
+    measured in this run. compile_note / llama_cpp_note: why the compiled row / llama.cpp's
+    rows are left out (None: they run). quantize=False leaves out int8 and int4."""
+    ours = [name for name, (_, scheme, compile) in OURS.items()
+            if not (compile and compile_note) and (quantize or not scheme)]
+    tables = []
+    for label, model in models.items():
+        engines = (contextlib.nullcontext({}) if llama_cpp_note is not None
+                   else llama_cpp_engines(label, model))
+        with engines as llama:
+            tables.append(model_table(label, model, floors[label]["read_GBps"], n, reps, ours,
+                                      group_size, llama))
+    return {"prompt_tokens": PROMPT_TOKENS, "threads": torch.get_num_threads(), "reps": reps,
+            "group_size": group_size, "compile_note": compile_note,
+            "llama_cpp_note": llama_cpp_note, "models": tables}
