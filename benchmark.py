@@ -99,7 +99,7 @@ def parse_args():
                    "llama.cpp's rows in the decode-speed table, the quantized-cache peer)")
     p.add_argument("--no-quantization", action="store_true", help="skip weight-only quantization: "
                    "the kernels table and the int8/int4 rows of the decode-speed table")
-    compile_help = "the decode-speed table's compiled row, which compiles for minutes on a CPU"
+    compile_help = "the decode-speed table's compiled row, which compiles C++ for tens of seconds per model"
     p.add_argument("--compile", action="store_true", help=f"with --quick: include {compile_help}")
     p.add_argument("--no-compile", action="store_true", help=f"leave out {compile_help} "
                    "(it is in by default, without --quick)")
@@ -133,7 +133,7 @@ def decode_speed_section(args, model, shape_model, floor, device):
     if args.no_compile:
         compile_note = "compiled row skipped (--no-compile)"
     elif args.quick and not args.compile:
-        compile_note = "compiled row skipped with --quick: compiling takes minutes on a CPU (--compile to include it)"
+        compile_note = "compiled row skipped with --quick: compiling C++ takes tens of seconds per model (--compile to include it)"
     else:
         compile_note = None
     if args.no_peer:

@@ -351,6 +351,10 @@ class KVCacheGPT(GPT):
             # its step writes raw keys and values of the model's dtype into the buffer
             raise ValueError("the compiled decode step needs the preallocated cache in the "
                              "model's dtype (cache_kind='prealloc')")
+        # the static step attends over every column, the unwritten ones masked; but a
+        # masked NaN still poisons attention (0 x NaN = NaN), and the buffer is torch.empty:
+        # any bits at all. Zero what has not been written, once per generation.
+        cache.kv[..., cache.length:, :].zero_()
         t0 = time.perf_counter()
         token = torch.zeros(cache.kv.size(2), 1, dtype=torch.long, device=cache.kv.device)
         compiled_decode_step(self)(self, token, torch.empty_like(cache.kv),
