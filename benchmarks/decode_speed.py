@@ -38,6 +38,7 @@ OURS = {  # name: (the model's dtype, weight-only quantization, compiled decode 
     "ours fp32 compiled": (torch.float32, None, True),
     "ours bf16": (torch.bfloat16, None, False),     # --dtype bfloat16
     "ours int8": (torch.float32, "int8", False),    # --quantize int8
+    "ours int8 compiled": (torch.float32, "int8", True),  # --quantize int8 --compile
     "ours int4": (torch.float32, "int4", False),    # --quantize int4 [--group-size]
 }
 REFERENCE = "ours fp32 eager"  # greedy agreement is counted against its tokens
