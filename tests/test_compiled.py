@@ -23,6 +23,7 @@ CONFIG = GPTConfig(block_size=32, vocab_size=260, n_layer=2, n_head=2, n_embd=32
 @pytest.fixture
 def eager_backend(monkeypatch):
     monkeypatch.setitem(compiled_decode.COMPILE_OPTIONS, "backend", "eager")
+    monkeypatch.delitem(compiled_decode.COMPILE_OPTIONS, "options")  # inductor's alone
     torch._dynamo.reset()
     counters.clear()
     yield
