@@ -51,7 +51,7 @@ class StaticStep:
         k_all, v_all = self.kv[layer, 0], self.kv[layer, 1]  # (B, nh, max_len, hd): every column
         # Attention written out instead of SDPA: for one query, torch.compile fuses these
         # into its own loops, while SDPA's CPU kernel is a separate call costing more than its
-        # arithmetic (on the bundled model ~0.4 ms of a 1.5 ms step). Unwritten columns masked.
+        # arithmetic (a large share of a bundled step). Unwritten columns masked.
         scores = (q @ k_all.transpose(-2, -1)) * q.size(-1) ** -0.5          # (B, nh, 1, max_len)
         weights = scores.masked_fill(~mask, float("-inf")).float().softmax(-1).to(q.dtype)
         return weights @ v_all                                                # (B, nh, 1, hd)
@@ -80,7 +80,7 @@ def decode_step(model, token, kv, length, pad):
 # dynamic=False: every step has the same shapes, and a static graph is the fastest one
 # inductor makes; fullgraph=True: a break in the graph would bring Python back (an error
 # instead); cpp_wrapper: the code that calls the graph's ~60 kernels in turn is C++ too,
-# not Python (15-18% faster on the bundled model here, for a longer first compile).
+# not Python (a sixth faster on the bundled model here, for a longer first compile).
 # The tests swap in backend="eager" to check the graph logic without compiling C++.
 COMPILE_OPTIONS = dict(dynamic=False, fullgraph=True, options={"cpp_wrapper": True})
 

@@ -13,7 +13,7 @@ def fmt_spread(s, digits=1):
 
 def print_report(r):
     print(f"\n# kvcache-gpt benchmark, {r['date']}, {r['machine']}, torch {r['torch']}, "
-          f"{r['threads']} threads, {r['device']}, batch 1, greedy; median [min-max] of {r['reps']} runs")
+          f"{r['device']}, batch 1, greedy; median [min-max] of {r['reps']} runs")
     print_seed_demo(r["seed_demo"], r["checkpoint"])
     print_cost_curves(r["cost_curves"])
     print_floor(r["floor"], r["peak_rss_mb"])
