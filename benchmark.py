@@ -18,8 +18,8 @@ from datetime import date
 from pathlib import Path
 
 # cli first, before torch: Ctrl-C during the slow imports then ends quietly (see cli.py)
-from cli import (ArgumentParser, add_model_args, check_output_path, json_text, load_from_args,
-                 positive_int, run, write_atomically)
+from cli import (ArgumentParser, add_model_args, check_output_path, import_pyplot, json_text,
+                 load_from_args, positive_int, run, write_atomically)
 
 import torch
 
@@ -29,7 +29,7 @@ from benchmarks.cache_cost import (SHAPES, bandwidth_floor, cost_curves, decode_
 from benchmarks.decode_speed import REFERENCE, decode_speed
 from benchmarks.kv_dtypes import kv_dtype_latency, quantized_peer
 from benchmarks.peers import llama_cpp_missing, transformers_table
-from benchmarks.report import import_pyplot, plot, print_report
+from benchmarks.report import plot, print_report
 from benchmarks.weight_formats import kernel_timings
 from checkpoint import ROOT
 from kv_cache import KVCacheGPT

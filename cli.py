@@ -237,6 +237,19 @@ def check_output_place(path, kind):
     return path
 
 
+def import_pyplot():
+    """matplotlib's pyplot for --plot (an optional extra), or one UserError line saying how to
+    get it. Call it before the run, so that a missing one is found in a second rather than
+    after minutes of measuring."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+    return plt
+
+
 def umask():
     """The process's umask (there is no way to read it without setting it)."""
     mask = os.umask(0o022)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from base_model import GPT
 from checkpoint import BUNDLED, default_checkpoint, load_model
-from cli import ArgumentParser, UserError, positive_int, run
+from cli import ArgumentParser, import_pyplot, positive_int, run
 from kv_quant import KV_DTYPES, head_bytes, kv_cache_bytes, kv_bytes_per_token
 
 WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}  # per parameter, scales not counted
@@ -201,14 +201,7 @@ def main():
     kv_dtypes = args.kv_dtypes.split(",")
     if not set(kv_dtypes) <= set(KV_DTYPES):
         p.error(f"--kv-dtypes: choose from {', '.join(KV_DTYPES)}, got {args.kv_dtypes}")
-    plt = None
-    if args.plot:  # checked before any work
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+    plt = import_pyplot() if args.plot else None  # checked before any work
     shapes = [checkpoint_shape(args)] + NAMED
     print_tables(shapes, kv_dtypes, [1024, 4096, 32768, 131072], memory, args.length, args.weights_dtype)
     if plt:

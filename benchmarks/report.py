@@ -4,7 +4,7 @@ cost curves and batch speeds as a PNG.
 """
 
 from benchmarks.cache_cost import KINDS
-from cli import MARK, UserError, write_atomically
+from cli import MARK, write_atomically
 
 
 def fmt_spread(s, digits=1):
@@ -154,18 +154,6 @@ def print_quantized_peer(q):
 
 
 # ---------------------------------------------------------------------------- the plot
-
-def import_pyplot():
-    """matplotlib, an optional extra; asked for before the run, so that a missing one is
-    found in a second rather than after minutes of measuring."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("--plot needs matplotlib: pip install matplotlib") from None
-    return plt
-
 
 def plot(r, path, plt):
     c = r["cost_curves"]

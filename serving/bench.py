@@ -32,8 +32,8 @@ from datetime import date
 import torch
 
 from base_model import GPTConfig, store_linears_column_major
-from cli import (MARK, ArgumentParser, UserError, add_model_args, check_output_path, json_text,
-                 load_from_args, positive_int, run, write_atomically)
+from cli import (MARK, ArgumentParser, UserError, add_model_args, check_output_path, import_pyplot,
+                 json_text, load_from_args, positive_int, run, write_atomically)
 from kv_cache import KVCache, KVCacheGPT
 from serving.engine import Engine, SamplingParams
 
@@ -318,17 +318,6 @@ def print_report(r):
               f"gather + SDPA {g['paged_step_ms']:.1f} ms, of which the gather {g['gather_ms']:.1f} ms "
               f"({g['gather_share']:.0%}, {g['gathered_bytes'] / 2**20:.0f} MiB copied); "
               f"paged kernel {g['kernel_step_ms']:.1f} ms; dense KVCache step {g['dense_step_ms']:.1f} ms")
-
-
-def import_pyplot():
-    """matplotlib's pyplot, or one line saying how to get it (asked before the run)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("--plot needs matplotlib: pip install matplotlib") from None
-    return plt
 
 
 def plot(r, path, plt):
