@@ -30,8 +30,8 @@ def parse_args():
     p.add_argument("--max-batch", type=positive_int, default=64,
                    help="most sequences decoded together (default: 64)")
     p.add_argument("--num-blocks", type=positive_int, default=None,
-                   help="KV blocks in the pool (default: half of what --max-batch full "
-                   "contexts would take; the engine preempts when it runs out)")
+                   help="KV blocks in the pool (default: room for --max-batch full "
+                   "contexts, at most 1 GiB; the engine preempts when it runs out)")
     p.add_argument("--tokens-per-block", type=positive_int, default=16,
                    help="positions per KV block (default: 16)")
     p.add_argument("--max-prefill-tokens", type=positive_int, default=2048,
@@ -51,10 +51,9 @@ def main():
         import aiohttp  # noqa: F401  (serve.py's own dependency)
     except ImportError:
         raise UserError("serve.py needs aiohttp: pip install -r requirements.txt") from None
-    import asyncio
 
     from serving.engine import Engine
-    from serving.server import serve_forever
+    from serving.server import BackgroundServer
 
     model, tokenizer, _ = load_from_args(KVCacheGPT, args)
     try:
@@ -64,21 +63,26 @@ def main():
     except ValueError as e:
         raise UserError(f"--num-blocks: {e}") from None
     pool = engine.pool
+    contexts = pool.num_blocks * pool.tokens_per_block / model.config.block_size
     print(f"KV pool: {pool.num_blocks} blocks of {pool.tokens_per_block} positions, "
-          f"{pool.nbytes() / 2**20:.1f} MiB", file=sys.stderr)
+          f"{pool.nbytes() / 2**20:.1f} MiB (room for {contexts:.1f} full contexts)",
+          file=sys.stderr)
     if args.attention == "kernel":
         print("compiling the paged attention kernel (once)...", file=sys.stderr, flush=True)
     engine.warm_up()
 
-    def ready(port):
-        print(f"serving {args.served_model_name} on http://{args.host}:{port}/v1 "
-              "(Ctrl-C stops)", file=sys.stderr, flush=True)
+    server = BackgroundServer(engine, tokenizer, args.served_model_name, args.host, args.port)
     try:
-        asyncio.run(serve_forever(engine, tokenizer, args.served_model_name, args.host,
-                                  args.port, ready))
+        url = server.open()  # HTTP on its own thread ...
     except OSError as e:
         raise UserError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); "
                         "choose another --port or --host") from None
+    try:
+        print(f"serving {args.served_model_name} on {url} (Ctrl-C stops)",
+              file=sys.stderr, flush=True)
+        engine.run()         # ... and the engine on this one, which loaded the model
+    finally:
+        server.close()
 
 
 if __name__ == "__main__":

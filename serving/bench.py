@@ -117,7 +117,28 @@ def new_engine(model, tokenizer, args):
     return engine
 
 
+def run_on_the_side(work, engine):
+    """work() on a new thread while this thread runs the engine (Engine.run says why it
+    must be this one); the engine stops when work returns. Returns what work returned."""
+    result = []
+
+    def side():
+        try:
+            result.append(work())
+        except BaseException as e:
+            result.append(e)
+        engine.stop()
+    thread = threading.Thread(target=side, name="clients")
+    thread.start()
+    engine.run()
+    thread.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
 def run_continuous(engine, requests):
+    """The engine in-process, each request added at its arrival time by another thread."""
     done, count = threading.Event(), [0]
 
     def on_output(request, output):
@@ -125,16 +146,17 @@ def run_continuous(engine, requests):
             count[0] += 1
             if count[0] == len(requests):
                 done.set()
-    engine.start()
-    try:
-        t0, submitted = time.perf_counter(), []
+
+    def submit_all():
+        submitted = []
         for arrival, prompt, n in requests:
             wait_until(t0, arrival)
             submitted.append(engine.add_request(prompt, SamplingParams(
                 max_tokens=n, temperature=0, stop_at_eot=False), on_output))
         done.wait()
-    finally:
-        engine.stop()
+        return submitted
+    t0 = time.perf_counter()
+    submitted = run_on_the_side(submit_all, engine)
     records = [(r.arrival_time, r.token_times) for r in submitted]
     return {**summary(records, t0, engine.peak_blocks * engine.pool.block_bytes()),
             "preemptions": engine.scheduler.preemptions}
@@ -143,7 +165,8 @@ def run_continuous(engine, requests):
 def run_http(engine, requests):
     """One streaming client per request against the server, each sending at its arrival
     time; every server-sent event is timed when it arrives. Counts errors, and checks
-    that every block is back in the pool afterwards."""
+    that every block is back in the pool afterwards. The server and the clients run on
+    two more threads; this one runs the engine, as in serve.py."""
     import aiohttp
 
     from serving.server import BackgroundServer
@@ -178,7 +201,7 @@ def run_http(engine, requests):
         return t0, results, health
 
     with BackgroundServer(engine, engine.tokenizer, "bench") as url:
-        t0, results, health = asyncio.run(all_clients(url))
+        t0, results, health = run_on_the_side(lambda: asyncio.run(all_clients(url)), engine)
     errors = [r for r in results if isinstance(r, BaseException)]
     ok = [r for r in results if not isinstance(r, BaseException)]
     result = summary([(sent, times) for sent, times, _ in ok], t0,
@@ -358,7 +381,7 @@ def main():
     p.add_argument("--modes", default=",".join(MODES), help=f"default: {','.join(MODES)}")
     p.add_argument("--max-batch", type=positive_int, default=64, help="default: 64")
     p.add_argument("--num-blocks", type=positive_int, default=None, help="the engine's pool "
-                   "(default: serve.py's, half of max-batch full contexts)")
+                   "(default: serve.py's, room for --max-batch full contexts, at most 1 GiB)")
     p.add_argument("--tokens-per-block", type=positive_int, default=16, help="default: 16")
     p.add_argument("--attention", choices=["kernel", "gather"], default="kernel",
                    help="how the engine's decode steps read the pool (default: kernel)")

@@ -3,7 +3,7 @@ The engine: requests in, tokens out, many requests at once on one model.
 
     engine = Engine(model, tokenizer)
     request = engine.add_request(prompt_ids, SamplingParams(max_tokens=50), on_output)
-    engine.start()          # the step loop in a background thread (or call engine.step())
+    engine.run()            # the step loop, on this thread, until engine.stop()
 
 Every step asks the scheduler (scheduler.py) which sequences run, feeds them through the
 unchanged KVCacheGPT.forward with a PagedCache (paged_cache.py) as their cache, samples one
@@ -74,11 +74,25 @@ class Request(Sequence):
         return len(self.tokens) - self.prompt_len
 
 
+DEFAULT_POOL_BYTES = 1 << 30
+
+
+def default_num_blocks(config, tokens_per_block, max_batch, bytes_per_value):
+    """Room for max_batch sequences at the full context, or DEFAULT_POOL_BYTES (1 GiB),
+    whichever is less. The pool is a ceiling: what a sequence holds follows its real
+    length, so a pool a fraction of max_batch full contexts still runs max_batch
+    sequences of ordinary length (and preempts when they grow too long), and blocks
+    nobody holds keep their contents for prefix hits."""
+    block_bytes = config.n_layer * 2 * tokens_per_block * config.n_embd * bytes_per_value
+    per_context = -(-config.block_size // tokens_per_block)
+    return max(min(max_batch * per_context, DEFAULT_POOL_BYTES // block_bytes), per_context)
+
+
 class Engine:
     def __init__(self, model, tokenizer, num_blocks=None, tokens_per_block=16, max_batch=64,
                  max_prefill_tokens=2048, attention="kernel"):
-        """num_blocks: the pool's size; by default half of what max_batch requests would
-        hold preallocated to the full context (the scheduler preempts when it runs out).
+        """num_blocks: the pool's size (default_num_blocks by default); when it runs out,
+        the scheduler preempts.
         attention: how decode steps read the pool, "kernel" (paged_attention.py, compiled
         at the first decode step) or "gather" (plain PyTorch; paged_cache.py compares)."""
         if attention not in ("kernel", "gather"):
@@ -88,8 +102,8 @@ class Engine:
         config, weight = model.config, model.lm_head.weight
         self.device = weight.device
         if num_blocks is None:
-            num_blocks = max(max_batch * config.block_size // (2 * tokens_per_block),
-                             -(-config.block_size // tokens_per_block))
+            num_blocks = default_num_blocks(config, tokens_per_block, max_batch,
+                                            weight.element_size())
         self.pool = BlockPool(config, num_blocks, tokens_per_block, self.device, weight.dtype)
         self.scheduler = Scheduler(self.pool, config.block_size, max_batch, max_prefill_tokens)
         self.inbox, self.cancelled = deque(), deque()  # from other threads (deque is thread-safe)
@@ -245,21 +259,20 @@ class Engine:
             self.run_until_done()
 
     def run_until_done(self):
-        """Step until every request has finished (tests and benchmarks, no thread)."""
+        """Step until every request has finished (tests and benchmarks, no waiting)."""
         while self.has_work():
             self.step()
 
-    def start(self):
-        self.thread = threading.Thread(target=self.loop, name="engine", daemon=True)
-        self.thread.start()
+    def run(self):
+        """The step loop: step while there is work, sleep until there is, return when
+        stop() is called (from any thread, or from on_output).
 
-    def stop(self):
-        self.stopping = True
-        self.notify()
-        if self.thread is not None:
-            self.thread.join()
-
-    def loop(self):
+        Run it on the thread that loaded the model (serve.py runs it on the main thread
+        and the HTTP server on another). torch's parallel ops run on an OpenMP thread
+        team that belongs to the thread calling them; a second thread doing the heavy
+        work gets a second team, and libgomp, now managing more threads than there are
+        cores, stops spinning between parallel regions: every matmul then waits for its
+        threads to be woken. On 2 cores that made each step about 1.5x as long."""
         while not self.stopping:
             with self.wakeup:
                 while not self.stopping and not self.has_work():
@@ -269,6 +282,20 @@ class Engine:
             except Exception as e:  # keep serving: fail what was in flight, free everything
                 traceback.print_exc()
                 self.abort_all(f"{type(e).__name__}: {e}")
+        self.stopping = False  # the stop is used up: run() may be called again
+
+    def start(self):
+        """run() on a new thread: for tests and notebooks, where the caller's thread is
+        busy; slower (see run)."""
+        self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.stopping = True
+        self.notify()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join()
+            self.thread = None
 
     def abort_all(self, message):
         for request in [*self.scheduler.running, *self.scheduler.waiting]:

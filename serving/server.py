@@ -8,12 +8,13 @@ An OpenAI-compatible HTTP server on the engine (the command is serve.py):
     GET  /v1/models        the one model served
     GET  /health           {"status": "ok"} and the engine's counters (blocks free, ...)
 
-The HTTP side (aiohttp, on an asyncio event loop) and the engine (its own thread) meet
-in two places: engine.add_request / engine.cancel, and on_output, which the engine calls
-from its thread and which puts each Output on the request's asyncio.Queue through
-loop.call_soon_threadsafe. A client that goes away is noticed by aiohttp (the handler is
-cancelled, or its next write fails) and its requests are cancelled at once: their blocks
-return to the pool at the engine's next step.
+The HTTP side (aiohttp, on an asyncio event loop in its own thread) and the engine
+(serve.py runs it on the main thread) meet in two places: engine.add_request /
+engine.cancel, and on_output, which the engine calls from its thread and which puts each
+Output on the request's asyncio.Queue through loop.call_soon_threadsafe. A client that
+goes away is noticed by aiohttp (the handler is cancelled, or its next write fails) and
+its requests are cancelled at once: their blocks return to the pool at the engine's next
+step.
 
 Bad requests get HTTP 400 and OpenAI's error object:
     {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}
@@ -297,7 +298,7 @@ class Reply:
 # ---------------------------------------------------------------------------- running it
 
 async def start(engine, tokenizer, model_name, host, port):
-    """Start the engine's thread and the HTTP server; returns (runner, port bound)."""
+    """Start the HTTP server; returns (runner, port bound). The engine runs elsewhere."""
     runner = web.AppRunner(CompletionServer(engine, tokenizer, model_name).app(),
                            handler_cancellation=True,  # a client that leaves cancels its handler
                            access_log=None)
@@ -308,39 +309,44 @@ async def start(engine, tokenizer, model_name, host, port):
     except OSError:
         await runner.cleanup()
         raise
-    engine.start()
     return runner, runner.addresses[0][1]
 
 
-async def serve_forever(engine, tokenizer, model_name, host, port, ready=print):
-    """Serve until cancelled (Ctrl-C); then close connections and stop the engine."""
-    runner, port = await start(engine, tokenizer, model_name, host, port)
-    try:
-        ready(port)
-        await asyncio.Event().wait()
-    finally:
-        await runner.cleanup()
-        engine.stop()
-
-
 class BackgroundServer:
-    """The server on its own event loop in a thread, for tests and the benchmark:
+    """The HTTP server on its own event loop in its own thread, so that the thread that
+    loaded the model is free to run the engine (Engine.run says why it should):
 
-        with BackgroundServer(engine, tokenizer, "name") as url: ...   # url ends in /v1"""
+        with BackgroundServer(engine, tokenizer, "name") as url:   # url ends in /v1
+            engine.run()                                            # until engine.stop()
+
+    open() raises OSError when the address cannot be bound."""
 
     def __init__(self, engine, tokenizer, model_name, host="127.0.0.1", port=0):
         self.args = (engine, tokenizer, model_name, host, port)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="http", daemon=True)
+        self.runner = None
 
-    def __enter__(self):
+    def open(self):
         self.thread.start()
-        self.runner, port = asyncio.run_coroutine_threadsafe(start(*self.args), self.loop).result()
+        try:
+            self.runner, port = asyncio.run_coroutine_threadsafe(
+                start(*self.args), self.loop).result()
+        except BaseException:
+            self.close()
+            raise
         return f"http://{self.args[3]}:{port}/v1"
 
-    def __exit__(self, *exc):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result()
+    def close(self):
+        """Close every connection (their requests are cancelled) and end the thread."""
+        if self.runner is not None:
+            asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join()
         self.loop.close()
-        self.args[0].stop()
+
+    def __enter__(self):
+        return self.open()
+
+    def __exit__(self, *exc):
+        self.close()

@@ -8,13 +8,14 @@ shaped matmuls (~1e-6 apart, see test_batch.py), and greedy argmax flips only at
 near-ties, which these seeds lack."""
 
 import threading
+import time
 
 import pytest
 import torch
 
 from base_model import GPTConfig
 from conftest import byte_tokenizer, tiny_model
-from serving.engine import Engine, SamplingParams
+from serving.engine import Engine, SamplingParams, default_num_blocks
 from serving.paged_cache import BlockPool
 
 CONFIG = GPTConfig(block_size=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
@@ -148,27 +149,33 @@ def test_cancelled_requests_free_their_blocks(model):
     assert_pool_is_whole(engine)
 
 
-def test_the_engine_thread_serves_other_threads(model):
+def test_run_serves_requests_from_other_threads_until_stopped(model):
+    """serve.py's arrangement: the engine runs on the thread that loaded the model, the
+    requests come from another (the HTTP server's), and stop() ends run()."""
     engine = Engine(model, TOKENIZER)
-    engine.start()
-    try:
-        done = threading.Event()
-        finished = []
+    prompts = random_prompts([5, 6, 7], seed=8)
+    finished = []
 
-        def on_output(request, output):
-            if output.finish_reason:
-                finished.append(request)
-                if len(finished) == 3:
-                    done.set()
-        prompts = random_prompts([5, 6, 7], seed=8)
+    def on_output(request, output):
+        if output.finish_reason:
+            finished.append(request)
+            if len(finished) == len(prompts):
+                engine.stop()  # from the engine's own thread, inside run()
+
+    def client():
         for p in prompts:
+            time.sleep(0.01)  # run() is waiting for work when the first one arrives
             engine.add_request(p, SamplingParams(max_tokens=10, **GREEDY), on_output)
-        assert done.wait(timeout=60)
-        for r in finished:
-            assert r.tokens[r.prompt_len:] == alone(model, r.tokens[:r.prompt_len], 10, temperature=0)
-    finally:
-        engine.stop()
+    thread = threading.Thread(target=client)
+    thread.start()
+    engine.run()
+    thread.join()
+    assert len(finished) == len(prompts)
+    for r in finished:
+        assert r.tokens[r.prompt_len:] == alone(model, r.tokens[:r.prompt_len], 10, temperature=0)
     assert_pool_is_whole(engine)
+    engine.stop()  # a stop before run() ends it at once
+    engine.run()
 
 
 def test_a_failed_step_ends_what_was_in_flight_and_the_engine_goes_on(model, monkeypatch):
@@ -228,3 +235,13 @@ def test_unused_cached_blocks_are_evicted_oldest_first():
     assert cached == 0 and fresh == [first[-1]]  # the last block, freed first, goes first
     pool.release(fresh)
     assert pool.allocate(list(range(64)))[2] == 60  # its 15 blocks before it still hit
+
+
+def test_the_default_pool_holds_max_batch_full_contexts_up_to_1_gib():
+    assert default_num_blocks(CONFIG, 8, max_batch=4, bytes_per_value=4) == 4 * 64 // 8
+    gpt2 = GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)
+    blocks = default_num_blocks(gpt2, 16, max_batch=64, bytes_per_value=4)
+    block_bytes = 12 * 2 * 16 * 768 * 4  # layers x (k, v) x positions x width x fp32
+    assert blocks * block_bytes <= 2**30 < (blocks + 1) * block_bytes  # 64 contexts: 4.5 GiB
+    # never less than one full context, whatever the cap
+    assert default_num_blocks(gpt2, 16, max_batch=64, bytes_per_value=2**20) == 1024 // 16

@@ -36,8 +36,12 @@ def model():
 def server(model):
     """(base url ending in /v1, engine)"""
     engine = Engine(model, TOKENIZER, tokens_per_block=8)
-    with BackgroundServer(engine, TOKENIZER, NAME) as url:
-        yield url, engine
+    engine.start()  # serve.py runs the engine on its main thread; here pytest has that
+    try:
+        with BackgroundServer(engine, TOKENIZER, NAME) as url:
+            yield url, engine
+    finally:
+        engine.stop()
 
 
 @pytest.fixture
