@@ -13,7 +13,8 @@ at once or as a Poisson process of --rate requests/s), greedy, run to its max_to
                  group starts when its last member has arrived and the group before it
                  has finished, so it waits for its longest member
     continuous   the engine (serving/engine.py) in-process: requests join at once
-    http         serve.py's server with one streaming client per request (aiohttp client)
+    http         serve.py's arrangement (HTTP on its own thread, the engine on the main one)
+                 under a load test: one streaming client per request, in a process of its own
 
 For each: output tokens/s, time to first token and inter-token latency (p50/p95), and the
 KV memory it held at its peak, next to what preallocating every running request to the full
@@ -23,10 +24,12 @@ and what the paged cache's gather costs in a decode step.
 
 import asyncio
 import json
+import multiprocessing
 import platform
 import statistics
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from datetime import date
 
 import torch
@@ -162,54 +165,69 @@ def run_continuous(engine, requests):
             "preemptions": engine.scheduler.preemptions}
 
 
-def run_http(engine, requests):
-    """One streaming client per request against the server, each sending at its arrival
-    time; every server-sent event is timed when it arrives. Counts errors, and checks
-    that every block is back in the pool afterwards. The server and the clients run on
-    two more threads; this one runs the engine, as in serve.py."""
+async def stream_one(session, url, t0, arrival, prompt, n):
+    """One streaming client: (sent, [arrival time of each event], tokens generated)."""
+    await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
+    sent, times, usage = time.perf_counter(), [], None
+    body = {"model": "bench", "prompt": prompt, "max_tokens": n, "temperature": 0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    async with session.post(url + "/completions", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+        async for line in response.content:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            if event["choices"]:
+                times.append(time.perf_counter())
+            usage = event.get("usage") or usage
+    return sent, times, usage["completion_tokens"]
+
+
+def load_test(url, requests):
+    """Every request as its own streaming client, at its arrival time (run in a process
+    of its own). Returns (t0, per request (sent, times, tokens) or the error's repr,
+    the server's /health afterwards)."""
     import aiohttp
 
-    from serving.server import BackgroundServer
-
-    async def client(session, url, t0, arrival, prompt, n):
-        await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
-        sent, times, usage = time.perf_counter(), [], None
-        body = {"model": "bench", "prompt": prompt, "max_tokens": n, "temperature": 0,
-                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-        async with session.post(url + "/completions", json=body) as response:
-            if response.status != 200:
-                raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
-            async for line in response.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError(event["error"]["message"])
-                if event["choices"]:
-                    times.append(time.perf_counter())
-                usage = event.get("usage") or usage
-        return sent, times, usage["completion_tokens"]
-
-    async def all_clients(url):
-        t0 = time.perf_counter()
+    async def all_clients():
+        t0 = time.perf_counter()  # CLOCK_MONOTONIC: the same clock in every process
         timeout = aiohttp.ClientTimeout(total=None)
-        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
-            results = await asyncio.gather(*(client(s, url, t0, *r) for r in requests),
+        async with aiohttp.ClientSession(timeout=timeout,
+                                         connector=aiohttp.TCPConnector(limit=0)) as s:
+            results = await asyncio.gather(*(stream_one(s, url, t0, *r) for r in requests),
                                            return_exceptions=True)
             async with s.get(url.removesuffix("/v1") + "/health") as response:
                 health = await response.json()
-        return t0, results, health
+        return t0, [repr(r) if isinstance(r, BaseException) else r for r in results], health
+    return asyncio.run(all_clients())
 
-    with BackgroundServer(engine, engine.tokenizer, "bench") as url:
-        t0, results, health = run_on_the_side(lambda: asyncio.run(all_clients(url)), engine)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    ok = [r for r in results if not isinstance(r, BaseException)]
+
+def run_http(engine, requests):
+    """serve.py's arrangement (the HTTP server on a thread of its own, the engine on this
+    one) under a load test: one streaming client per request, each sending at its arrival
+    time, every server-sent event timed when it arrives. The clients run in a process of
+    their own, as a load tester would, so that they do not queue for this process's
+    interpreter lock; they still share the machine's cores. Counts errors, and checks
+    that every block is back in the pool afterwards."""
+    from serving.server import BackgroundServer
+
+    spawn = multiprocessing.get_context("spawn")  # a clean process: no torch threads forked
+    with BackgroundServer(engine, engine.tokenizer, "bench") as url, \
+            ProcessPoolExecutor(1, mp_context=spawn) as clients:
+        clients.submit(time.perf_counter).result()  # the process is up before the clock starts
+        t0, results, health = run_on_the_side(
+            lambda: clients.submit(load_test, url, requests).result(), engine)
+    errors = [r for r in results if isinstance(r, str)]
+    ok = [r for r in results if not isinstance(r, str)]
     result = summary([(sent, times) for sent, times, _ in ok], t0,
                      engine.peak_blocks * engine.pool.block_bytes())
     tokens = sum(n for _, _, n in ok)  # events can merge tokens (held-back text): count tokens
     result.update(output_tokens=tokens, tok_s=tokens / result["seconds"], errors=len(errors),
                   preemptions=engine.scheduler.preemptions,
-                  first_error=repr(errors[0]) if errors else None,
+                  first_error=errors[0] if errors else None,
                   leaked_blocks=health["blocks_total"] - health["blocks_free"])
     return result
 
