@@ -120,9 +120,17 @@ def new_engine(model, tokenizer, args):
     return engine
 
 
-def run_on_the_side(work, engine):
+def run_on_the_side(work, engine, engine_thread="main"):
     """work() on a new thread while this thread runs the engine (Engine.run says why it
-    must be this one); the engine stops when work returns. Returns what work returned."""
+    must be this one); the engine stops when work returns. Returns what work returned.
+    engine_thread="background" runs the engine on a thread of its own instead
+    (Engine.start), to show what that costs."""
+    if engine_thread == "background":
+        engine.start()
+        try:
+            return work()
+        finally:
+            engine.stop()
     result = []
 
     def side():
@@ -140,7 +148,7 @@ def run_on_the_side(work, engine):
     return result[0]
 
 
-def run_continuous(engine, requests):
+def run_continuous(engine, requests, engine_thread):
     """The engine in-process, each request added at its arrival time by another thread."""
     done, count = threading.Event(), [0]
 
@@ -159,17 +167,17 @@ def run_continuous(engine, requests):
         done.wait()
         return submitted
     t0 = time.perf_counter()
-    submitted = run_on_the_side(submit_all, engine)
+    submitted = run_on_the_side(submit_all, engine, engine_thread)
     records = [(r.arrival_time, r.token_times) for r in submitted]
     return {**summary(records, t0, engine.peak_blocks * engine.pool.block_bytes()),
             "preemptions": engine.scheduler.preemptions}
 
 
-async def stream_one(session, url, t0, arrival, prompt, n):
+async def stream_one(session, url, model, t0, arrival, prompt, n):
     """One streaming client: (sent, [arrival time of each event], tokens generated)."""
     await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
     sent, times, usage = time.perf_counter(), [], None
-    body = {"model": "bench", "prompt": prompt, "max_tokens": n, "temperature": 0,
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     async with session.post(url + "/completions", json=body) as response:
         if response.status != 200:
@@ -187,25 +195,55 @@ async def stream_one(session, url, t0, arrival, prompt, n):
 
 
 def load_test(url, requests):
-    """Every request as its own streaming client, at its arrival time (run in a process
-    of its own). Returns (t0, per request (sent, times, tokens) or the error's repr,
-    the server's /health afterwards)."""
+    """Every request as its own streaming client, at its arrival time, against the
+    OpenAI-compatible server at url (ours, or any other: vllm serve). Returns (t0, per
+    request (sent, times, tokens) or the error's repr, the server's /health: ours reports
+    its blocks, others {})."""
     import aiohttp
 
     async def all_clients():
-        t0 = time.perf_counter()  # CLOCK_MONOTONIC: the same clock in every process
         timeout = aiohttp.ClientTimeout(total=None)
         async with aiohttp.ClientSession(timeout=timeout,
                                          connector=aiohttp.TCPConnector(limit=0)) as s:
-            results = await asyncio.gather(*(stream_one(s, url, t0, *r) for r in requests),
+            async with s.get(url + "/models") as response:
+                model = (await response.json())["data"][0]["id"]  # the name it serves
+            t0 = time.perf_counter()  # CLOCK_MONOTONIC: the same clock in every process
+            results = await asyncio.gather(*(stream_one(s, url, model, t0, *r) for r in requests),
                                            return_exceptions=True)
             async with s.get(url.removesuffix("/v1") + "/health") as response:
-                health = await response.json()
+                health = (await response.json() if response.content_type == "application/json"
+                          else {})
         return t0, [repr(r) if isinstance(r, BaseException) else r for r in results], health
     return asyncio.run(all_clients())
 
 
-def run_http(engine, requests):
+def load_test_summary(t0, results, health, kv_bytes):
+    errors = [r for r in results if isinstance(r, str)]
+    ok = [r for r in results if not isinstance(r, str)]
+    if not ok:
+        raise UserError(f"every request failed; the first: {errors[0]}")
+    result = summary([(sent, times) for sent, times, _ in ok], t0, kv_bytes)
+    tokens = sum(n for _, _, n in ok)  # events can merge tokens (held-back text): count tokens
+    result.update(output_tokens=tokens, tok_s=tokens / result["seconds"], errors=len(errors),
+                  first_error=errors[0] if errors else None,
+                  preemptions=health.get("preemptions"),
+                  leaked_blocks=(health["blocks_total"] - health["blocks_free"]
+                                 if "blocks_total" in health else None))
+    return result
+
+
+def run_url(url, requests):
+    """The load test against a server that is already running (python serve.py, or
+    vllm serve with the same weights), from a process of its own: this one."""
+    import aiohttp
+    try:
+        return load_test_summary(*load_test(url, requests), kv_bytes=None)
+    except aiohttp.ClientConnectionError as e:
+        raise UserError(f"--url: cannot reach {url} ({e}); start the server first "
+                        "(python serve.py)") from None
+
+
+def run_http(engine, requests, engine_thread):
     """serve.py's arrangement (the HTTP server on a thread of its own, the engine on this
     one) under a load test: one streaming client per request, each sending at its arrival
     time, every server-sent event timed when it arrives. The clients run in a process of
@@ -219,17 +257,8 @@ def run_http(engine, requests):
             ProcessPoolExecutor(1, mp_context=spawn) as clients:
         clients.submit(time.perf_counter).result()  # the process is up before the clock starts
         t0, results, health = run_on_the_side(
-            lambda: clients.submit(load_test, url, requests).result(), engine)
-    errors = [r for r in results if isinstance(r, str)]
-    ok = [r for r in results if not isinstance(r, str)]
-    result = summary([(sent, times) for sent, times, _ in ok], t0,
-                     engine.peak_blocks * engine.pool.block_bytes())
-    tokens = sum(n for _, _, n in ok)  # events can merge tokens (held-back text): count tokens
-    result.update(output_tokens=tokens, tok_s=tokens / result["seconds"], errors=len(errors),
-                  preemptions=engine.scheduler.preemptions,
-                  first_error=errors[0] if errors else None,
-                  leaked_blocks=health["blocks_total"] - health["blocks_free"])
-    return result
+            lambda: clients.submit(load_test, url, requests).result(), engine, engine_thread)
+    return load_test_summary(t0, results, health, engine.peak_blocks * engine.pool.block_bytes())
 
 
 class CountingTokenizer:
@@ -328,26 +357,36 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
 
 def print_report(r):
     w = r["workload"]
-    print(f"\n# serving benchmark, {r['date']}, {r['machine']}, torch {r['torch']}, {r['model']}")
+    print(f"\n# serving benchmark, {r['date']}, {r['machine']}, torch {r['torch']}, {r['model']}"
+          + (f", the server at {r['url']}" if "url" in r else ""))
     arrivals = f"Poisson arrivals at {w['rate']} req/s" if w["rate"] else "all at once"
     print(f"{w['requests']} requests, prompts {w['prompt_len']} tokens, outputs {w['output_len']} "
-          f"tokens, {arrivals}; greedy; max batch {w['max_batch']}")
+          f"tokens, {arrivals}; greedy; max batch {w['max_batch']}; "
+          f"the engine on the {w['engine_thread']} thread")
     print("\n| way | output tok/s | vs sequential | TTFT p50 / p95 ms | ITL p50 / p95 ms | peak KV MiB | vs all at full context |")
     print("|---|---|---|---|---|---|---|")
     base = r["modes"].get("sequential", {}).get("tok_s")
     for mode, m in r["modes"].items():
         itl = (f"{m['itl_p50_ms']:.1f} / {m['itl_p95_ms']:.1f}" if m["itl_p50_ms"] is not None else "n/a")
         vs = f"{m['tok_s'] / base:.1f}x" if base else "n/a"
+        kv = m["peak_kv_bytes"]
+        kv = (f"{kv / 2**20:.1f} | {kv / r['full_context_kv_bytes']:.0%}" if kv is not None
+              else "n/a | n/a")  # another server's memory is not ours to see
         print(f"| {mode} | {m['tok_s']:.0f} | {vs} | {m['ttft_p50_ms']:.0f} / {m['ttft_p95_ms']:.0f} | "
-              f"{itl} | {m['peak_kv_bytes'] / 2**20:.1f} | {m['peak_kv_bytes'] / r['full_context_kv_bytes']:.0%} |")
-    if "http" in r["modes"]:
-        h = r["modes"]["http"]
-        print(f"http: {h['errors']} errors, {h['leaked_blocks']} blocks not returned"
-              + (f" (first error: {h['first_error']})" if h["errors"] else ""))
-    print(f"(all at full context: {r['running_peak']} requests x {r['block_size']} positions = "
-          f"{r['full_context_kv_bytes'] / 2**20:.1f} MiB; the engine's pool: {r['pool_bytes'] / 2**20:.1f} MiB, "
-          + ", ".join(f"{m} {r['modes'][m]['preemptions']} preemptions"
-                      for m in ("continuous", "http") if m in r["modes"]) + ")")
+              f"{itl} | {kv} |")
+    for mode in ("http", "server"):
+        if mode in r["modes"]:
+            h = r["modes"][mode]
+            leaked = ("" if h["leaked_blocks"] is None  # not our server: no /health counters
+                      else f", {h['leaked_blocks']} blocks not returned")
+            print(f"{mode}: {h['errors']} errors{leaked}"
+                  + (f" (first error: {h['first_error']})" if h["errors"] else ""))
+    if "pool_bytes" in r:
+        print(f"(all at full context: {r['running_peak']} requests x {r['block_size']} positions = "
+              f"{r['full_context_kv_bytes'] / 2**20:.1f} MiB; the engine's pool: "
+              f"{r['pool_bytes'] / 2**20:.1f} MiB, "
+              + ", ".join(f"{m} {r['modes'][m]['preemptions']} preemptions"
+                          for m in ("continuous", "http") if m in r["modes"]) + ")")
     if "prefix" in r:
         p = r["prefix"]
         print(f"\nprefix cache: time to first token of a {p['prefix_tokens']}+{p['suffix_tokens']}-token "
@@ -364,9 +403,10 @@ def print_report(r):
 def plot(r, path, plt):
     modes = list(r["modes"])
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for ax, (key, label) in zip(axes, [("tok_s", "output tokens/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
-                                       ("peak_kv_bytes", "peak KV bytes")]):
-        ax.bar(modes, [r["modes"][m][key] or 0 for m in modes])
+    for ax, (key, label, scale) in zip(axes, [("tok_s", "output tokens/s", 1),
+                                              ("ttft_p50_ms", "TTFT p50 (ms)", 1),
+                                              ("peak_kv_bytes", "peak KV memory (MiB)", 2**-20)]):
+        ax.bar(modes, [(r["modes"][m][key] or 0) * scale for m in modes])
         ax.set(title=label)
     fig.suptitle(f"{r['model']}: {r['workload']['requests']} requests, {r['date']}")
     fig.tight_layout()
@@ -403,13 +443,22 @@ def main():
     p.add_argument("--tokens-per-block", type=positive_int, default=16, help="default: 16")
     p.add_argument("--attention", choices=["kernel", "gather"], default="kernel",
                    help="how the engine's decode steps read the pool (default: kernel)")
+    p.add_argument("--engine-thread", choices=["main", "background"], default="main",
+                   help="where the engine's step loop runs: the main thread, which loaded "
+                   "the model (serve.py's way), or a thread of its own, to see what that "
+                   "costs (default: main)")
+    p.add_argument("--url", help="only the load test, against a server already running "
+                   "there (e.g. http://127.0.0.1:8000/v1: python serve.py, or vllm serve); "
+                   "give the same --ckpt/--hf, for the prompts' vocabulary and lengths")
     p.add_argument("--quick", action="store_true", help="16 requests, short lengths")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")
     args = p.parse_args()
-    modes = args.modes.split(",")
-    if not set(modes) <= set(MODES):
+    modes = ["server"] if args.url else args.modes.split(",")
+    if not args.url and not set(modes) <= set(MODES):
         p.error(f"--modes: choose from {', '.join(MODES)}")
+    if args.url and not args.url.startswith(("http://", "https://")):
+        p.error(f"--url must start with http:// or https://, got {args.url!r}")
     # outputs are checked before the run: never over a file we did not write
     json_path = args.json is not None and check_output_path(args.json, "json")
     plt = args.plot is not None and import_pyplot()
@@ -432,11 +481,11 @@ def main():
     args.prompt_len = args.prompt_len or (8, block_size // 2)
     args.output_len = args.output_len or (8, block_size // 2)
     requests = workload(args, tokenizer.n_vocab, block_size)
-    if "http" in modes:
+    if "http" in modes or args.url:
         try:
             import aiohttp  # noqa: F401
         except ImportError:
-            raise UserError("--modes http needs aiohttp: pip install -r requirements.txt") from None
+            raise UserError("the load test needs aiohttp: pip install -r requirements.txt") from None
 
     per_token = model.new_cache(1).nbytes() // block_size
     running_peak = min(args.max_batch, len(requests))
@@ -444,9 +493,14 @@ def main():
          "torch": torch.__version__, "model": name, "block_size": block_size,
          "workload": {"requests": args.requests, "prompt_len": "-".join(map(str, args.prompt_len)),
                       "output_len": "-".join(map(str, args.output_len)), "rate": args.rate,
-                      "max_batch": args.max_batch, "seed": args.seed},
+                      "max_batch": args.max_batch, "seed": args.seed,
+                      "engine_thread": args.engine_thread},
          "running_peak": running_peak, "full_context_kv_bytes": running_peak * block_size * per_token,
          "modes": {}}
+    if args.url:
+        r["url"] = args.url
+        r["modes"]["server"] = run_url(args.url.rstrip("/"), requests)
+        return report(r, json_path, plot_path, plt)
     r["pool_bytes"] = new_engine(model, tokenizer, args).pool.nbytes()
     timed_stream(model, [requests[0][1]], [2])  # warm-up
     for mode in modes:
@@ -456,11 +510,16 @@ def main():
             r["modes"][mode] = run_static(model, requests, batch, per_token)
         else:
             engine = new_engine(model, tokenizer, args)
-            r["modes"][mode] = (run_continuous if mode == "continuous" else run_http)(engine, requests)
+            run_mode = run_continuous if mode == "continuous" else run_http
+            r["modes"][mode] = run_mode(engine, requests, args.engine_thread)
     r["prefix"] = prefix_hit_ttft(model, tokenizer, args)
     lengths = [len(prompt) + n for _, prompt, n in requests]
     r["gather"] = gather_cost(model, tokenizer, args, running_peak,
                               min(block_size - 1, int(statistics.mean(lengths))))
+    report(r, json_path, plot_path, plt)
+
+
+def report(r, json_path, plot_path, plt):
     print_report(r)
     if json_path:
         write_atomically(json_path, json_text(r, generator="serving.bench", indent=1))

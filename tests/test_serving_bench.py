@@ -29,8 +29,9 @@ def test_quick_serving_benchmark_writes_its_report(tmp_path, tiny_ckpt):
     assert report["gather"]["gather_ms"] > 0
 
 
-def test_bad_modes_exit_2():
-    proc = subprocess.run([sys.executable, "-m", "serving.bench", "--modes", "turbo"],
+@pytest.mark.parametrize("args", [["--modes", "turbo"], ["--url", "127.0.0.1:8000"]])
+def test_bad_flags_exit_2(args):
+    proc = subprocess.run([sys.executable, "-m", "serving.bench", *args],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
 
@@ -43,3 +44,18 @@ def test_outputs_checked_before_the_run(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "was not written by kvcache-gpt" in proc.stderr
     assert precious.read_text() == '{"mine": 1}'
+
+
+@pytest.mark.parametrize("engine_thread", ["main", "background"])
+def test_continuous_serves_the_workload_with_the_engine_on_either_thread(engine_thread):
+    from base_model import GPTConfig
+    from conftest import byte_tokenizer, tiny_model
+    from serving.bench import run_continuous
+    from serving.engine import Engine
+
+    model = tiny_model(GPTConfig(block_size=32, vocab_size=260, n_layer=1, n_head=2, n_embd=16))
+    engine = Engine(model, byte_tokenizer(), tokens_per_block=4, attention="gather")
+    requests = [(0.01 * i, [65 + i] * (3 + i), 5 + i) for i in range(4)]  # (arrival, prompt, n)
+    result = run_continuous(engine, requests, engine_thread)
+    assert result["output_tokens"] == sum(n for _, _, n in requests)
+    assert len(engine.pool.free) == engine.pool.num_blocks  # every block back

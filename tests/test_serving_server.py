@@ -219,3 +219,13 @@ def test_serve_py_bad_flags_exit_2_with_one_line(tiny_ckpt, args, message):
     out, err = process.communicate(timeout=120)
     assert process.returncode == 2 and message in err
     assert len([line for line in err.splitlines() if "error" in line]) == 1
+
+
+def test_the_benchmarks_load_test_against_a_running_server(server):
+    """python -m serving.bench --url: the load test alone, against a server already up."""
+    from serving.bench import run_url
+    url, engine = server
+    requests = [(0.0, [65, 66, 67], 5), (0.01, [70] * 10, 8), (0.02, [71], 1)]  # (at, prompt, n)
+    result = run_url(url, requests)
+    assert result["output_tokens"] == 5 + 8 + 1 and result["errors"] == 0
+    assert result["leaked_blocks"] == 0 and result["ttft_p50_ms"] > 0
