@@ -1,7 +1,13 @@
 """Shared fixtures: tiny models (fast on 2 cores) and a byte-level tokenizer, so the tests
 need neither the network nor the bundled checkpoint unless they are about it."""
 
+import io
+import os
+import runpy
+import subprocess
 import sys
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -53,3 +59,67 @@ def tiny_ckpt(tmp_path):
     path = tmp_path / "tiny.pt"
     save_checkpoint(path, tiny_model(TINY_CONFIGS[0]), byte_tokenizer_spec())
     return path
+
+
+# ---------------------------------------------------------------------------- scripts in-process
+
+def run_script(script, *args, stdin=""):
+    """`python script args`, run in this process, with stdin as its standard input: a
+    subprocess.CompletedProcess with the exit status, stdout and stderr (text). A fresh
+    interpreter and `import torch` cost 2-3 s per run, more than most runs' own work. The
+    script's code runs as in a process of its own (its __main__ block, cli.run's one-line
+    errors and exit statuses); what only a process has (signals, closed descriptors, the
+    terminal, a timeout) is tested with one.
+
+    The streams are a pipe's: UTF-8, stdout strict (cli.py relaxes it), stderr
+    backslashreplace. Bytes in args arrive as a process gets bytes that are not UTF-8
+    (surrogates). Not captured: what C code writes to descriptors 1 and 2 itself. An
+    exception the script lets out (a traceback and status 1 in a process) fails the test
+    there. Put back afterwards: argv, the streams, torch's random state (the scripts seed
+    it), the warning filters."""
+    argv = [str(ROOT / script), *(os.fsdecode(a) if isinstance(a, bytes) else str(a) for a in args)]
+    streams = (text_stream(stdin.encode("utf-8")), text_stream(), text_stream(errors="backslashreplace"))
+    saved = sys.argv, sys.stdin, sys.stdout, sys.stderr
+    sys.argv = argv
+    sys.stdin, sys.stdout, sys.stderr = streams
+    try:
+        with torch.random.fork_rng(), warnings_as_at_start_up():
+            try:
+                runpy.run_path(argv[0], run_name="__main__")
+                returncode = 0
+            except SystemExit as e:  # the scripts exit with a number (cli.run, argparse)
+                returncode = e.code or 0
+        stdout, stderr = (read_back(stream) for stream in streams[1:])
+    finally:
+        sys.argv, sys.stdin, sys.stdout, sys.stderr = saved
+    return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
+
+
+def text_stream(data=b"", errors="strict"):
+    """A UTF-8 text stream over bytes in memory, with the .buffer that scripts read from."""
+    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors=errors)
+
+
+def read_back(stream):
+    """What was written to a text_stream, decoded strictly: bytes that are not UTF-8 fail."""
+    stream.flush()
+    return stream.buffer.getvalue().decode("utf-8")
+
+
+@contextmanager
+def warnings_as_at_start_up():
+    """Warnings as a script started by `python` meets them: Python's default filters (pytest's
+    show more, DeprecationWarning from libraries too), printed on sys.stderr (pytest collects
+    them for its summary instead, where a test of the one-line errors would miss them)."""
+    with warnings.catch_warnings():
+        warnings.resetwarnings()  # then the defaults: python -c "import warnings; print(warnings.filters)"
+        warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.filterwarnings("ignore", category=category, append=True)
+        warnings.showwarning = print_warning
+        yield
+
+
+def print_warning(message, category, filename, lineno, file=None, line=None):
+    """warnings.showwarning as Python's own, on the sys.stderr of the moment (the run's)."""
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))

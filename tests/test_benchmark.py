@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from checkpoint import ROOT
-from conftest import TINY_CONFIGS
+from conftest import TINY_CONFIGS, run_script
 from kv_cache import KVCacheGPT
 
 
 def test_quick_benchmark_writes_its_report(tmp_path):
+    """In a process of its own, as a user runs it (the other runs are in this process)."""
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmark.py"), "--quick", "--no-peer", "--lengths", "4,8",
@@ -46,8 +47,7 @@ def test_quick_benchmark_writes_its_report(tmp_path):
 
 
 def test_bad_lengths_exit_2():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--lengths", "0,5"],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_script("benchmark.py", "--lengths", "0,5")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
 
 

@@ -1,4 +1,6 @@
-"""Every user mistake: exit status 2, one line on stderr naming the problem, no traceback."""
+"""Every user mistake: exit status 2, one line on stderr naming the problem, no traceback.
+The scripts run in this process (conftest.run_script), but for the FIFO case (run_case);
+tests/test_terminal.py has one-line errors of processes of their own."""
 
 import importlib.util
 import os
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from checkpoint import ROOT
-from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
+from conftest import TINY_CONFIGS, byte_tokenizer_spec, run_script, tiny_model
 
 
 class Exploit:
@@ -115,12 +117,20 @@ def case_id(script, args):
     return f"{script}:{' '.join(a if isinstance(a, str) else repr(a) for a in args)}".replace("{d}", "")[:80]
 
 
+def run_case(script, args):
+    """run_script, but the FIFO runs in a process of its own: were it opened, the run would
+    wait for a writer forever, and only a process can be stopped by a timeout."""
+    if any(isinstance(a, str) and a.endswith("fifo.pt") for a in args):
+        return subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True,
+                              text=True, timeout=120, stdin=subprocess.DEVNULL)
+    return run_script(script, *args)
+
+
 @pytest.mark.parametrize("script, args, mention", CASES, ids=[case_id(s, a) for s, a, _ in CASES])
 def test_bad_input_exits_2_with_one_line(files, script, args, mention):
     args = [a.replace("{d}", str(files)) if isinstance(a, str) else a for a in args]
     before = {p.name: p.read_bytes() for p in files.iterdir() if p.is_file()}
-    proc = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True,
-                          text=True, timeout=120, stdin=subprocess.DEVNULL)
+    proc = run_case(script, args)
     lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("loaded ")]
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr

@@ -1,4 +1,5 @@
-"""generate.py as a user runs it: a subprocess on the bundled model."""
+"""generate.py as a user runs it, on the bundled model: in this process (conftest.run_script),
+and once in a process of its own to show that both print the same."""
 
 import json
 import subprocess
@@ -7,16 +8,15 @@ import sys
 import pytest
 
 from checkpoint import BUNDLED, ROOT, load_model
+from conftest import run_script
 from generate import SampleText
 from kv_cache import KVCacheGPT
 
 BLOCK_SIZE = 256  # the bundled model's context (checked below)
 
 
-def run_cli(*args, stdin=None, script="generate.py", ckpt=True):
-    cmd = [sys.executable, str(ROOT / script), *(["--ckpt", str(BUNDLED)] if ckpt else []), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, input=stdin, timeout=300,
-                          encoding="utf-8", errors="strict")
+def run_cli(*args, stdin="", script="generate.py", ckpt=True):
+    return run_script(script, *(["--ckpt", str(BUNDLED)] if ckpt else []), *args, stdin=stdin)
 
 
 def generate(*args, **kw):
@@ -27,6 +27,18 @@ def generate(*args, **kw):
 
 def generate_json(*args):
     return json.loads(generate(*args, "--json").stdout)
+
+
+def test_a_process_of_its_own_prints_the_same():
+    """The real thing once: a fresh interpreter, the streams of a pipe, sampled text (the
+    random state) with characters of several bytes. stderr: the "loaded" line."""
+    args = ("--ckpt", str(BUNDLED), "--prompt", "Çà et là 👋 ROMEO:", "--seed", "3", "--max-new-tokens", "60")
+    real = subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], capture_output=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
+    here = run_script("generate.py", *args)
+    assert real.returncode == here.returncode == 0
+    assert real.stdout.decode("utf-8") == here.stdout and real.stderr.decode("utf-8") == here.stderr
+    assert here.stdout.startswith("Çà et là 👋 ROMEO:") and here.stderr.startswith("loaded ")
 
 
 def test_greedy_cached_equals_no_cache():

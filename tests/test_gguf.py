@@ -17,7 +17,7 @@ import torch
 
 from checkpoint import BUNDLED, load_model, save_checkpoint
 from cli import UserError
-from conftest import ROOT, TINY_CONFIGS, byte_tokenizer_spec, tiny_model
+from conftest import ROOT, TINY_CONFIGS, byte_tokenizer_spec, run_script, tiny_model
 from export_gguf import export
 from kv_cache import KVCacheGPT
 
@@ -225,14 +225,14 @@ def test_script(tmp_path):
     ckpt = tmp_path / "tiny.pt"
     save_checkpoint(ckpt, tiny_model(TINY_CONFIGS[0]), bpe_tokenizer_spec())
 
-    def export_gguf(*args):
-        return subprocess.run([sys.executable, str(ROOT / "export_gguf.py"), *map(str, args)],
-                              capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    done = export_gguf(ckpt, "out/tiny.gguf", "--outtype", "q8_0")
+    # as a user runs it (in a process of its own, in a folder of theirs); the errors in this process
+    done = subprocess.run([sys.executable, str(ROOT / "export_gguf.py"), str(ckpt), "out/tiny.gguf",
+                           "--outtype", "q8_0"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "wrote out/tiny.gguf" in done.stderr + done.stdout and (tmp_path / "out" / "tiny.gguf").exists()
-    for args in [(tmp_path / "missing.pt", "new.gguf"), (ckpt, "--hf", tmp_path, "new.gguf")]:
-        failed = export_gguf(*args)
+    new = tmp_path / "new.gguf"
+    for args in [(tmp_path / "missing.pt", new), (ckpt, "--hf", tmp_path, new)]:
+        failed = run_script("export_gguf.py", *args)
         assert failed.returncode == 2, args
         assert failed.stderr.startswith("export_gguf.py: error: ") and failed.stderr.count("\n") == 1, args
-    assert not (tmp_path / "new.gguf").exists()
+    assert not new.exists()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from checkpoint import BUNDLED, CheckpointError, load_model, save_checkpoint
-from conftest import ROOT, TINY_CONFIGS, byte_tokenizer_spec, tiny_model
+from conftest import ROOT, TINY_CONFIGS, byte_tokenizer_spec, run_script, tiny_model
 from cli import UserError
 from export_hf import export
 from hf_gpt2 import load_hf_model
@@ -290,14 +290,12 @@ def test_export_bundled_model(tmp_path):
 
 
 def test_export_script(tmp_path, tiny_ckpt):
-    def export_hf(*args):
-        return subprocess.run([sys.executable, str(ROOT / "export_hf.py"), *map(str, args)],
-                              capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    out = tmp_path / "hf"
-    done = export_hf(tiny_ckpt, out)
+    out = tmp_path / "hf"  # as a user runs it, in a process of its own; the error in this process
+    done = subprocess.run([sys.executable, str(ROOT / "export_hf.py"), str(tiny_ckpt), str(out)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
     assert {"config.json", "vocab.json", "merges.txt"} <= {p.name for p in out.iterdir()}
-    failed = export_hf(tmp_path / "missing.pt", tmp_path / "new")
+    failed = run_script("export_hf.py", tmp_path / "missing.pt", tmp_path / "new")
     assert failed.returncode == 2
     assert failed.stderr.startswith("export_hf.py: error: ") and failed.stderr.count("\n") == 1
     with pytest.raises(UserError, match="not an empty directory"):  # never mixed with an old export

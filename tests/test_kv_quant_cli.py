@@ -1,16 +1,26 @@
 """--kv-dtype through the scripts on the bundled model (and an --hf export of it), and the
-memory planner as a user runs it."""
+memory planner as a user runs it. The scripts run in this process (conftest.run_script), but
+for one run each of kv_cache.py, kv_quant.py and memory_plan.py in a process of its own
+(generate.py's is in test_generate_cli.py)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from checkpoint import BUNDLED
+from checkpoint import BUNDLED, ROOT
 from kv_quant import kv_cache_bytes
 from test_generate_cli import generate, generate_json, run_cli
 
 GREEDY = ("--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "30", "--ignore-eot")
 BUNDLED_SHAPE = (6, 4, 64)  # layers, heads, head_dim (test_generate_cli checks the context)
+
+
+def run_in_a_process(script, *args):
+    """`python script args`, as a user runs it: a fresh interpreter, its own streams."""
+    return subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True,
+                          encoding="utf-8", errors="strict", stdin=subprocess.DEVNULL, timeout=300)
 
 
 def test_stats_formula_counts_the_scales():
@@ -60,11 +70,11 @@ def test_bad_kv_dtype_is_one_line(args, mention):
 
 
 def test_demos_with_a_quantized_cache():
-    proc = run_cli("--kv-dtype", "int4", "--tokens", "8", script="kv_cache.py")
+    proc = run_in_a_process("kv_cache.py", "--ckpt", str(BUNDLED), "--kv-dtype", "int4", "--tokens", "8")
     assert proc.returncode == 0, proc.stderr
     assert "int4: 2 x 6 layers x 4 heads x L=256" in proc.stdout
     assert "= 442,368 B, tensors hold 442,368 B" in proc.stdout
-    proc = run_cli("--tokens", "4", "--prompts", "2", script="kv_quant.py")
+    proc = run_in_a_process("kv_quant.py", "--ckpt", str(BUNDLED), "--tokens", "4", "--prompts", "2")
     assert proc.returncode == 0, proc.stderr
     for line in ("int8      (64 head_dim x 1 B + 1 x 2 B scale) =  66 B", "per channel, groups of 32 tokens",
                  "int4     :"):
@@ -72,7 +82,7 @@ def test_demos_with_a_quantized_cache():
 
 
 def test_memory_plan_tables():
-    proc = run_cli(script="memory_plan.py", ckpt=False)
+    proc = run_in_a_process("memory_plan.py")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     # Llama-3-8B-like: 2 x 32 layers x 8 kv heads x 128 x 2 B = 128 KiB per token, 4 GiB at 32k
