@@ -196,7 +196,7 @@ async def stream_one(session, url, model, t0, arrival, prompt, n):
 
 def load_test(url, requests):
     """Every request as its own streaming client, at its arrival time, against the
-    OpenAI-compatible server at url (ours, or any other: vllm serve). Returns (t0, per
+    OpenAI-compatible server at url (ours, or any other: vLLM's). Returns (t0, per
     request (sent, times, tokens) or the error's repr, the server's /health: ours reports
     its blocks, others {})."""
     import aiohttp
@@ -234,7 +234,7 @@ def load_test_summary(t0, results, health, kv_bytes):
 
 def run_url(url, requests):
     """The load test against a server that is already running (python serve.py, or
-    vllm serve with the same weights), from a process of its own: this one."""
+    vLLM's server on the same weights), from a process of its own: this one."""
     import aiohttp
     try:
         return load_test_summary(*load_test(url, requests), kv_bytes=None)
@@ -448,7 +448,7 @@ def main():
                    "the model (serve.py's way), or a thread of its own, to see what that "
                    "costs (default: main)")
     p.add_argument("--url", help="only the load test, against a server already running "
-                   "there (e.g. http://127.0.0.1:8000/v1: python serve.py, or vllm serve); "
+                   "there (e.g. http://127.0.0.1:8000/v1: python serve.py, or vLLM's server); "
                    "give the same --ckpt/--hf, for the prompts' vocabulary and lengths")
     p.add_argument("--quick", action="store_true", help="16 requests, short lengths")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")

