@@ -272,7 +272,8 @@ class Engine:
         team that belongs to the thread calling them; a second thread doing the heavy
         work gets a second team, and libgomp, now managing more threads than there are
         cores, stops spinning between parallel regions: every matmul then waits for its
-        threads to be woken. On 2 cores that made each step about 1.5x as long."""
+        threads to be woken. On 2 cores the engine made 1.4-2.3x fewer tokens a second
+        (python -m serving.bench --engine-thread background, README "Measured")."""
         while not self.stopping:
             with self.wakeup:
                 while not self.stopping and not self.has_work():
