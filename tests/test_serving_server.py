@@ -223,7 +223,7 @@ def test_serve_py_bad_flags_exit_2_with_one_line(tiny_ckpt, args, message):
 
 def test_the_benchmarks_load_test_against_a_running_server(server):
     """python -m serving.bench --url: the load test alone, against a server already up."""
-    from serving.bench import run_url
+    from serving.load_test import run_url
     url, engine = server
     requests = [(0.0, [65, 66, 67], 5), (0.01, [70] * 10, 8), (0.02, [71], 1)]  # (at, prompt, n)
     result = run_url(url, requests)
