@@ -82,6 +82,9 @@ def main():
               file=sys.stderr, flush=True)
         engine.run()         # ... and the engine on this one, which loaded the model
     finally:
+        # the engine has stopped: end what is in flight (each client gets an error), or
+        # the server would wait for replies that no step will ever make
+        engine.abort_all("the server is shutting down")
         server.close()
 
 

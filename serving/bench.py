@@ -4,6 +4,8 @@ Serving a workload, three ways, and through HTTP:
     python -m serving.bench --quick                                  # a minute, tiny
     python -m serving.bench --requests 64 --prompt-len 16 --output-len 128 --json out/a.json
     python -m serving.bench --shape gpt2 --rate 4 --plot out/serve.png
+    python -m serving.bench --url http://127.0.0.1:8000/v1           # a running server only
+    python -m serving.bench --modes continuous --engine-thread background
 
 A seeded workload (--requests, prompt and output lengths drawn from ranges, arriving all
 at once or as a Poisson process of --rate requests/s), greedy, run to its max_tokens:
@@ -37,7 +39,7 @@ from cli import (MARK, ArgumentParser, UserError, add_model_args, check_output_p
                  json_text, load_from_args, positive_int, run, write_atomically)
 from kv_cache import KVCache, KVCacheGPT
 from serving.engine import Engine, SamplingParams
-from serving.load_test import load_test, load_test_summary, run_url, summary
+from serving.load_test import LoadTestError, load_test, load_test_summary, summary
 
 SHAPES = {"gpt2": GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)}
 MODES = ("sequential", "static", "continuous", "http")
@@ -123,7 +125,7 @@ def run_on_the_side(work, engine, engine_thread="main"):
         except BaseException as e:
             result.append(e)
         engine.stop()
-    thread = threading.Thread(target=side, name="clients")
+    thread = threading.Thread(target=side, name="clients", daemon=True)  # Ctrl-C: no wait
     thread.start()
     engine.run()
     thread.join()
@@ -155,6 +157,19 @@ def run_continuous(engine, requests, engine_thread):
     records = [(r.arrival_time, r.token_times) for r in submitted]
     return {**summary(records, t0, engine.peak_blocks * engine.pool.block_bytes()),
             "preemptions": engine.scheduler.preemptions}
+
+
+def run_url(url, requests):
+    """The load test against a server that is already running (python serve.py, or
+    vLLM's server on the same weights), from this process."""
+    import aiohttp
+    try:
+        return load_test_summary(*load_test(url, requests), kv_bytes=None)
+    except aiohttp.ClientError as e:
+        raise UserError(f"--url: cannot reach {url} ({e}); start the server first "
+                        "(python serve.py)") from None
+    except LoadTestError as e:
+        raise UserError(f"--url: {e}") from None
 
 
 def run_http(engine, requests, engine_thread):
@@ -274,9 +289,10 @@ def print_report(r):
     print(f"\n# serving benchmark, {r['date']}, {r['machine']}, torch {r['torch']}, {r['model']}"
           + (f", the server at {r['url']}" if "url" in r else ""))
     arrivals = f"Poisson arrivals at {w['rate']} req/s" if w["rate"] else "all at once"
+    ours = "" if "url" in r else (f"; max batch {w['max_batch']}; "
+                                  f"the engine on the {w['engine_thread']} thread")
     print(f"{w['requests']} requests, prompts {w['prompt_len']} tokens, outputs {w['output_len']} "
-          f"tokens, {arrivals}; greedy; max batch {w['max_batch']}; "
-          f"the engine on the {w['engine_thread']} thread")
+          f"tokens, {arrivals}; greedy{ours}")
     print("\n| way | output tok/s | vs sequential | TTFT p50 / p95 ms | ITL p50 / p95 ms | peak KV MiB | vs all at full context |")
     print("|---|---|---|---|---|---|---|")
     base = r["modes"].get("sequential", {}).get("tok_s")
@@ -350,14 +366,14 @@ def main():
                    help="new tokens per request, LOW-HIGH or N (default: 8 to block_size/2)")
     p.add_argument("--rate", type=float, default=0.0,
                    help="Poisson arrivals, requests per second (default: 0, all at once)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"default: {','.join(MODES)}")
+    p.add_argument("--modes", help=f"default: {','.join(MODES)}")
     p.add_argument("--max-batch", type=positive_int, default=64, help="default: 64")
     p.add_argument("--num-blocks", type=positive_int, default=None, help="the engine's pool "
                    "(default: serve.py's, room for --max-batch full contexts, at most 1 GiB)")
     p.add_argument("--tokens-per-block", type=positive_int, default=16, help="default: 16")
     p.add_argument("--attention", choices=["kernel", "gather"], default="kernel",
                    help="how the engine's decode steps read the pool (default: kernel)")
-    p.add_argument("--engine-thread", choices=["main", "background"], default="main",
+    p.add_argument("--engine-thread", choices=["main", "background"],
                    help="where the engine's step loop runs: the main thread, which loaded "
                    "the model (serve.py's way), or a thread of its own, to see what that "
                    "costs (default: main)")
@@ -368,7 +384,10 @@ def main():
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")
     args = p.parse_args()
-    modes = ["server"] if args.url else args.modes.split(",")
+    if args.url and (args.modes or args.engine_thread):
+        p.error("--url runs the load test alone: --modes and --engine-thread do not apply")
+    modes = ["server"] if args.url else (args.modes or ",".join(MODES)).split(",")
+    args.engine_thread = args.engine_thread or "main"
     if not args.url and not set(modes) <= set(MODES):
         p.error(f"--modes: choose from {', '.join(MODES)}")
     if args.url and not args.url.startswith(("http://", "https://")):

@@ -3,7 +3,8 @@ The engine: requests in, tokens out, many requests at once on one model.
 
     engine = Engine(model, tokenizer)
     request = engine.add_request(prompt_ids, SamplingParams(max_tokens=50), on_output)
-    engine.run()            # the step loop, on this thread, until engine.stop()
+    engine.run_until_done() # or engine.run(): the step loop, waiting for more requests
+                            # (from other threads) until engine.stop()
 
 Every step asks the scheduler (scheduler.py) which sequences run, feeds them through the
 unchanged KVCacheGPT.forward with a PagedCache (paged_cache.py) as their cache, samples one
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from sample import check_sampling_args, sample
-from serving.paged_attention import compiled_decode_attention
+from serving.paged_attention import paged_decode_attention
 from serving.paged_cache import NULL_BLOCK, BlockPool, PagedCache
 from serving.scheduler import FINISHED, Scheduler, Sequence
 from text_stream import SampleText
@@ -98,7 +99,7 @@ class Engine:
         if attention not in ("kernel", "gather"):
             raise ValueError(f"attention must be 'kernel' or 'gather', got {attention!r}")
         self.model, self.tokenizer = model, tokenizer
-        self.attention_kernel = compiled_decode_attention() if attention == "kernel" else None
+        self.attention_kernel = paged_decode_attention if attention == "kernel" else None
         config, weight = model.config, model.lm_head.weight
         self.device = weight.device
         if num_blocks is None:
@@ -282,7 +283,11 @@ class Engine:
                 self.step()
             except Exception as e:  # keep serving: fail what was in flight, free everything
                 traceback.print_exc()
-                self.abort_all(f"{type(e).__name__}: {e}")
+                message = f"{type(e).__name__}: {e}"
+                self.abort_all(message)
+                self.pool.forget_prefixes()  # the failed step's blocks may hold garbage
+                print(f"engine: step failed, {message}; every request in flight was ended",
+                      file=sys.stderr)
         self.stopping = False  # the stop is used up: run() may be called again
 
     def start(self):
@@ -292,6 +297,9 @@ class Engine:
         self.thread.start()
 
     def stop(self):
+        """End run() after its current step (at once if it is waiting for work); a stop
+        while run() is not running ends the next run() at once. Waits for start()'s thread;
+        from another thread, run() on the main thread may still be finishing its step."""
         self.stopping = True
         self.notify()
         if self.thread is not None and self.thread is not threading.current_thread():
@@ -299,12 +307,14 @@ class Engine:
             self.thread = None
 
     def abort_all(self, message):
+        """End every request in flight or queued with finish_reason "error"; its caller
+        gets message (a step failed, or the server is shutting down). Only when no step
+        is running: from run()'s own thread, or after run() has returned."""
+        while self.inbox:
+            self.scheduler.add(self.inbox.popleft())
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
             request.error = message
             self.finish(request, "error")
-        self.pool.forget_prefixes()
-        print(f"engine: step failed, {message}; every request in flight was ended",
-              file=sys.stderr)
 
     def stats(self):
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),

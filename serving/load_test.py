@@ -13,7 +13,6 @@ import json
 import statistics
 import time
 
-from cli import UserError
 
 
 def summary(records, t0, kv_bytes):
@@ -52,50 +51,66 @@ async def stream_one(session, url, model, t0, arrival, prompt, n):
     return sent, times, usage["completion_tokens"]
 
 
+class LoadTestError(Exception):
+    """The server at the URL is not one to load-test (no OpenAI list of models there), or
+    every request failed."""
+
+
+async def served_model(session, url):
+    """The name the server serves: the first of GET url/models, OpenAI's list of models."""
+    async with session.get(url + "/models") as response:
+        try:
+            body = await response.json(content_type=None)
+        except ValueError:  # not JSON
+            body = None
+    models = body.get("data") if isinstance(body, dict) else None
+    if response.status != 200 or not models or not isinstance(models[0], dict) or "id" not in models[0]:
+        raise LoadTestError(f"{url}/models did not answer with a list of models (HTTP "
+                            f"{response.status}); the URL should end in /v1")
+    return models[0]["id"]
+
+
+async def server_health(session, url):
+    """GET /health: ours reports the engine's counters (blocks, preemptions); others {}."""
+    async with session.get(url.removesuffix("/v1") + "/health") as response:
+        return await response.json() if response.content_type == "application/json" else {}
+
+
 def load_test(url, requests):
     """Every request as its own streaming client, at its arrival time, against the
     OpenAI-compatible server at url (ours, or any other: vLLM's). Returns (t0, per
-    request (sent, times, tokens) or the error's repr, the server's /health: ours reports
-    its blocks, others {})."""
+    request (sent, times, tokens) or the error's repr, the server's /health before and
+    after the run)."""
     import aiohttp
 
     async def all_clients():
         timeout = aiohttp.ClientTimeout(total=None)
         async with aiohttp.ClientSession(timeout=timeout,
                                          connector=aiohttp.TCPConnector(limit=0)) as s:
-            async with s.get(url + "/models") as response:
-                model = (await response.json())["data"][0]["id"]  # the name it serves
-            t0 = time.perf_counter()  # CLOCK_MONOTONIC: the same clock in every process
+            model, before = await served_model(s, url), await server_health(s, url)
+            t0 = time.perf_counter()
             results = await asyncio.gather(*(stream_one(s, url, model, t0, *r) for r in requests),
                                            return_exceptions=True)
-            async with s.get(url.removesuffix("/v1") + "/health") as response:
-                health = (await response.json() if response.content_type == "application/json"
-                          else {})
-        return t0, [repr(r) if isinstance(r, BaseException) else r for r in results], health
+            after = await server_health(s, url)
+        results = [repr(r) if isinstance(r, BaseException) else r for r in results]
+        return t0, results, (before, after)
     return asyncio.run(all_clients())
 
 
 def load_test_summary(t0, results, health, kv_bytes):
+    """summary() of what the clients saw, and from our server's /health (before, after):
+    the preemptions during the run and the blocks still held after it (leaked, when
+    nothing else uses the server)."""
     errors = [r for r in results if isinstance(r, str)]
     ok = [r for r in results if not isinstance(r, str)]
     if not ok:
-        raise UserError(f"every request failed; the first: {errors[0]}")
+        raise LoadTestError(f"every request failed; the first: {errors[0]}")
     result = summary([(sent, times) for sent, times, _ in ok], t0, kv_bytes)
     tokens = sum(n for _, _, n in ok)  # events can merge tokens (held-back text): count tokens
+    before, after = health
+    ours = "blocks_total" in after
     result.update(output_tokens=tokens, tok_s=tokens / result["seconds"], errors=len(errors),
                   first_error=errors[0] if errors else None,
-                  preemptions=health.get("preemptions"),
-                  leaked_blocks=(health["blocks_total"] - health["blocks_free"]
-                                 if "blocks_total" in health else None))
+                  preemptions=after["preemptions"] - before["preemptions"] if ours else None,
+                  leaked_blocks=after["blocks_total"] - after["blocks_free"] if ours else None)
     return result
-
-
-def run_url(url, requests):
-    """The load test against a server that is already running (python serve.py, or
-    vLLM's server on the same weights), from a process of its own: this one."""
-    import aiohttp
-    try:
-        return load_test_summary(*load_test(url, requests), kv_bytes=None)
-    except aiohttp.ClientConnectionError as e:
-        raise UserError(f"--url: cannot reach {url} ({e}); start the server first "
-                        "(python serve.py)") from None

@@ -40,23 +40,19 @@ def decode_attention(q, k_pool, v_pool, slots, visible):
     return out[:, :, None].to(v_pool.dtype)
 
 
-_compiled = None
-
-
-def compiled_decode_attention():
-    """decode_attention compiled once per process (the first calls compile: seconds)."""
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(decode_attention, fullgraph=True)
-    return paged_decode_attention
+_compiled = None  # decode_attention compiled, once per process
 
 
 def paged_decode_attention(q, k_pool, v_pool, slots, visible):
-    """The compiled kernel, told which sizes change from call to call: the batch and the
-    context (B, S) are compiled as variables, so one graph serves every step (and one
-    more for a batch of 1: compile makes sizes 0 and 1 constants). The rest (heads,
-    head size, the pool) stay constants, which lets the C++ unroll the loop over a
-    head's values; dynamic=True would make every size a variable."""
+    """decode_attention compiled (the first calls compile: seconds), told which sizes
+    change from call to call: the batch and the context (B, S) are compiled as variables,
+    so one graph serves every step (and one more for a batch of 1: compile makes sizes 0
+    and 1 constants). The rest (heads, head size, the pool) stay constants, which lets the
+    C++ unroll the loop over a head's values; dynamic=True would make every size a
+    variable."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(decode_attention, fullgraph=True)
     for tensor in (q, slots, visible):
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
     for tensor in (slots, visible):

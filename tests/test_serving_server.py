@@ -202,8 +202,15 @@ def test_serve_py_serves_a_checkpoint_and_stops_on_ctrl_c(tiny_ckpt):
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
         r = client.completions.create(model="kvcache-gpt", prompt="Hi", max_tokens=3)
         assert len(r.choices) == 1 and r.usage.completion_tokens <= 3
+        # Ctrl-C with a stream still running: it ends with an error event, and soon
+        stream = client.completions.create(model="kvcache-gpt", prompt="Hi", max_tokens=10**6,
+                                           stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=30) == 130
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for _ in stream:
+                pass
+        assert process.wait(timeout=10) == 130
         assert "Traceback" not in process.stderr.read()
     finally:
         process.kill()
@@ -223,9 +230,13 @@ def test_serve_py_bad_flags_exit_2_with_one_line(tiny_ckpt, args, message):
 
 def test_the_benchmarks_load_test_against_a_running_server(server):
     """python -m serving.bench --url: the load test alone, against a server already up."""
-    from serving.load_test import run_url
+    from serving.bench import run_url
     url, engine = server
     requests = [(0.0, [65, 66, 67], 5), (0.01, [70] * 10, 8), (0.02, [71], 1)]  # (at, prompt, n)
     result = run_url(url, requests)
     assert result["output_tokens"] == 5 + 8 + 1 and result["errors"] == 0
-    assert result["leaked_blocks"] == 0 and result["ttft_p50_ms"] > 0
+    assert result["leaked_blocks"] == 0 and result["preemptions"] == 0
+    assert result["ttft_p50_ms"] > 0
+    from cli import UserError
+    with pytest.raises(UserError, match="should end in /v1"):  # one line, exit 2 for a user
+        run_url(url.removesuffix("/v1"), requests)
