@@ -38,7 +38,7 @@ from base_model import GPTConfig, store_linears_column_major
 from cli import (MARK, ArgumentParser, UserError, add_model_args, check_output_path, import_pyplot,
                  json_text, load_from_args, positive_int, run, write_atomically)
 from kv_cache import KVCache, KVCacheGPT
-from serving.engine import Engine, SamplingParams
+from serving.engine import Engine, SamplingParams, default_num_blocks
 from serving.load_test import LoadTestError, load_test, load_test_summary, summary
 
 SHAPES = {"gpt2": GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)}
@@ -237,7 +237,11 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
     preallocated KVCache (KVCacheGPT's own batch decode: nothing to find); and the gather
     alone."""
     tpb = args.tokens_per_block
-    engine = Engine(model, tokenizer, num_blocks=batch * -(-(context + 1) // tpb) + 1,
+    # the serving engine's pool size, so that the kernel timed is the graph compiled for
+    # it (the pool's size is a constant of the graph), unless it has no room for them all
+    serving_pool = args.num_blocks or default_num_blocks(
+        model.config, tpb, args.max_batch, model.lm_head.weight.element_size())
+    engine = Engine(model, tokenizer, num_blocks=max(serving_pool, batch * -(-(context + 1) // tpb)),
                     tokens_per_block=tpb, max_batch=batch)  # room for all: no preemption
     g = torch.Generator().manual_seed(args.seed + 2)
     prompts = [torch.randint(tokenizer.n_vocab, (context,), generator=g).tolist()
