@@ -35,6 +35,7 @@ from datetime import date
 import torch
 
 from base_model import GPTConfig, store_linears_column_major
+from benchmarks.timing import repeat, timed
 from cli import (MARK, ArgumentParser, UserError, add_model_args, check_output_path, import_pyplot,
                  json_text, load_from_args, positive_int, run, write_atomically)
 from kv_cache import KVCache, KVCacheGPT
@@ -271,12 +272,8 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
         dense.length -= 1  # write the same column again
         model(step, dense, last_only=True)
 
-    def ms(fn):
-        fn()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return 1e3 * (time.perf_counter() - t0) / reps
+    def ms(fn):  # the mean of reps, after a warm-up
+        return 1e3 * statistics.mean(repeat(lambda: timed(fn)[1], reps))
     kernel = engine.attention_kernel
     result = {"batch": batch, "context": context, "paged_step_ms": ms(paged(None)),
               "kernel_step_ms": ms(paged(kernel)),
