@@ -18,27 +18,9 @@ from sample import sample
 
 
 @dataclass
-class GenerationStats:
-    """What a generation loop did, for --stats and the benchmarks. The naive loop fills the
-    first two; kv_cache.py's loop all of them."""
-    forward_passes: int = 0
-    positions_processed: int = 0   # new tokens fed through the model, summed over passes
-    prefill_passes: int = 0        # passes over a prompt (one per generation, however many rows)
-    reprefills: int = 0            # rows rebuilt past block_size (kv_cache.py explains)
-    prefill_seconds: float = 0.0
-    compile_seconds: float = 0.0   # torch.compile of the decode step, timed apart from decoding
-    cache_bytes: int = 0           # the most the cache tensors held at once
-    cache_positions: int = 0       # columns in the cache at the end
-
-    def count_pass(self, positions):
-        self.forward_passes += 1
-        self.positions_processed += positions
-
-
-@dataclass
 class GPTConfig:
     # The defaults are the bundled demo model's shape (checkpoints/README.md).
-    block_size: int = 256     # longest context; learned position embeddings end here
+    context_len: int = 256     # longest context; learned position embeddings end here
     vocab_size: int = 4096
     n_layer: int = 6          # the seeds' "six blocks"
     n_head: int = 4
@@ -53,6 +35,12 @@ class GPTConfig:
     @property
     def head_dim(self):
         return self.n_embd // self.n_head
+
+    @property
+    def n_kv_head(self):
+        """Heads the cache stores keys and values for: every head here; fewer in a model
+        with grouped-query attention, where several query heads share one."""
+        return self.n_head
 
 
 class CausalSelfAttention(nn.Module):
@@ -126,7 +114,7 @@ class GPT(nn.Module):
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
+            wpe=nn.Embedding(config.context_len, config.n_embd),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, self.Attention) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
@@ -151,9 +139,9 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def check_context(self, positions):
-        if positions > self.config.block_size:
+        if positions > self.config.context_len:
             raise ValueError(
-                f"sequence of {positions} positions exceeds block_size {self.config.block_size}: "
+                f"sequence of {positions} positions exceeds context_len {self.config.context_len}: "
                 "learned position embeddings end there; crop the context")
 
     def embed(self, idx, start_pos=0):
@@ -184,33 +172,30 @@ class GPT(nn.Module):
 
     @torch.inference_mode()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-               generator=None, stats=None, num_samples=1, vocab_limit=None):
+               generator=None, vocab_limit=None, stats=None):
         """Yield the next token of every row, (B, 1), one step at a time.
 
-        The naive loop: each step feeds the whole context (cropped to block_size) through
-        every block, recomputing keys and values it computed last step. `stats`, a
-        GenerationStats, counts forward passes and the positions they processed: O(T^2)
-        here. num_samples > 1 repeats each prompt row that many times. vocab_limit, the
-        tokenizer's size, keeps padding rows of a larger embedding table from being sampled."""
-        idx = idx.repeat_interleave(num_samples, dim=0)
-        stats = GenerationStats() if stats is None else stats
+        The naive loop: each step feeds the whole context (cropped to context_len) through
+        every block, recomputing keys and values it computed last step. vocab_limit, the
+        tokenizer's size, keeps padding rows of a larger embedding table from being sampled.
+        stats (generation/loop.py's GenerationStats), when given, counts the forward passes
+        and the positions they processed: O(T^2) here."""
         for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.config.block_size:]
+            idx_cond = idx[:, -self.config.context_len:]
             logits, _ = self(idx_cond, last_only=True)
-            stats.count_pass(idx_cond.size(1))
+            if stats is not None:
+                stats.count_pass(idx_cond.size(1))
             next_token = sample(logits[:, -1, :vocab_limit], temperature, top_k, top_p, generator)
             idx = torch.cat((idx, next_token), dim=1)
             yield next_token
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                 generator=None, vocab_limit=None, **loop_args):
+                 generator=None, vocab_limit=None, stats=None):
         """Return idx (B, T) with max_new_tokens sampled tokens appended: (B, T + max_new_tokens).
-
-        Shared by GPT and KVCacheGPT: only stream() differs between them (loop_args: the
-        cached loop's options, e.g. compile=True)."""
+        (kv_cache.KVCacheGPT.generate is the same call, through the cache.)"""
         new_tokens = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator,
-                                      vocab_limit=vocab_limit, **loop_args))
+                                      vocab_limit, stats))
         return torch.cat([idx, *new_tokens], dim=1)
 
 
@@ -218,9 +203,9 @@ class GPT(nn.Module):
 
 @torch.no_grad()
 def store_linears_column_major(model):
-    """A decode-speed step, applied to a model before it generates (cli.load_from_args does
-    it for every script, and benchmark.py to its models, the naive one included, so that a
-    comparison of the two loops measures the cache and nothing else).
+    """A decode-speed step, applied to a model before it generates (plumbing/cli.py's
+    load_from_args does it for every command, and benchmark.py to its models, the naive one
+    included, so that a comparison of the two loops measures the cache and nothing else).
 
     Every Linear weight (out, in) is kept in column-major memory: same shape, values and
     state dict, but the transpose that F.linear multiplies by is then row-major. A batch-1

@@ -17,23 +17,26 @@ import sys
 from datetime import date
 from pathlib import Path
 
-# cli first, before torch: Ctrl-C during the slow imports then ends quietly (see cli.py)
-from cli import (ArgumentParser, add_model_args, check_output_path, import_pyplot, json_text,
-                 load_from_args, positive_int, run, write_atomically)
+from plumbing.script import begin, run
 
-import torch
+if __name__ == "__main__":  # run as a command; importing this file changes nothing
+    begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
 
-from benchmarks.batching import batch_throughput
-from benchmarks.cache_cost import (SHAPES, bandwidth_floor, cost_curves, decode_vs_floor,
+import torch  # noqa: E402
+
+from benchmarks.batching import batch_throughput  # noqa: E402
+from benchmarks.cache_cost import (SHAPES, bandwidth_floor, cost_curves, decode_vs_floor,  # noqa: E402
                                    floor_section, random_model, seed_demo)
-from benchmarks.decode_speed import REFERENCE, decode_speed
-from benchmarks.kv_dtypes import kv_dtype_latency, quantized_peer
-from benchmarks.peers import llama_cpp_missing, transformers_table
-from benchmarks.report import plot, print_report
-from benchmarks.weight_formats import kernel_timings
-from checkpoint import ROOT
-from kv_cache import KVCacheGPT
-from quantize import INT4_GROUP_SIZE
+from benchmarks.decode_speed import REFERENCE, decode_speed  # noqa: E402
+from benchmarks.kv_dtypes import kv_dtype_latency, quantized_peer  # noqa: E402
+from benchmarks.peers import llama_cpp_missing, transformers_table  # noqa: E402
+from benchmarks.report import plot, print_report  # noqa: E402
+from benchmarks.weight_formats import kernel_timings  # noqa: E402
+from kv_cache import KVCacheGPT  # noqa: E402
+from plumbing.checkpoint import ROOT  # noqa: E402
+from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
+from plumbing.outputs import check_output_path, import_pyplot, json_text, write_atomically  # noqa: E402
+from weight_quant import INT4_GROUP_SIZE  # noqa: E402
 
 NO_PEER = "skipped (--no-peer)"
 
@@ -47,7 +50,7 @@ def check_run_is_possible(args, parser):
     generated length must fit in the shape's context after the prompt (the default
     lengths are cut to the ones that fit), the decode rate needs two tokens (the first
     one includes the prefill), and a negative naive check means nothing."""
-    block = SHAPES[args.shape].block_size
+    block = SHAPES[args.shape].context_len
     if args.prompt_tokens >= block:
         parser.error(f"--prompt-tokens {args.prompt_tokens}: leaves no room to generate in the "
                      f"{args.shape} shape's context of {block}")

@@ -23,14 +23,17 @@ nothing goes through Hugging Face files or llama.cpp's conversion scripts. What 
 
 from collections import Counter
 
-# cli first, before torch: Ctrl-C during the slow imports then ends quietly (see cli.py)
-from cli import MARK, ArgumentParser, UserError, check_output_path, run, write_atomically
+from plumbing.script import UserError, begin, run
 
-import numpy as np
+if __name__ == "__main__":  # run as a command; importing this file changes nothing
+    begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
 
-from base_model import GPT
-from checkpoint import load_model
-from export_hf import gpt2_state_dict, gpt2_tokenizer_files
+import numpy as np  # noqa: E402
+
+from base_model import GPT  # noqa: E402
+from export_hf import gpt2_state_dict, gpt2_tokenizer_files  # noqa: E402
+from plumbing.cli import ArgumentParser, load_source  # noqa: E402
+from plumbing.outputs import MARK, check_output_path, write_atomically  # noqa: E402
 
 OUTTYPES = ("f32", "f16", "q8_0")
 # PyTorch's nn.LayerNorm default, which base_model uses; llama.cpp has no default for it
@@ -73,8 +76,8 @@ def encode_tensor(name, array, outtype, gguf):
     positions = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.POS_EMBD]
     if outtype == "f32" or array.ndim == 1 or name.startswith(positions):
         return array, types.F32
-    block_size = gguf.GGML_QUANT_SIZES[types.Q8_0][0]
-    if outtype == "q8_0" and array.shape[-1] % block_size == 0:
+    q8_block = gguf.GGML_QUANT_SIZES[types.Q8_0][0]
+    if outtype == "q8_0" and array.shape[-1] % q8_block == 0:
         return gguf.quants.quantize(array, types.Q8_0), types.Q8_0
     return array.astype(np.float16), types.F16
 
@@ -122,7 +125,7 @@ def add_metadata(writer, model, tokenizer, outtype, name, gguf):
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.add_context_length(c.block_size)
+    writer.add_context_length(c.context_len)
     writer.add_embedding_length(c.n_embd)
     writer.add_feed_forward_length(4 * c.n_embd)
     writer.add_block_count(c.n_layer)
@@ -167,10 +170,8 @@ def export(source, out, outtype="f32", hf=False, report=print):
     # MARK): a slip of the hand (`export_gguf.py ckpt.pt`) can never destroy a checkpoint
     out = check_output_path(out, "gguf")
     import_gguf()  # a missing package is reported before the model is loaded
-    load = load_model
-    if hf:
-        from hf_gpt2 import load_hf_model as load
-    model, tokenizer = load(GPT, source, report=report)
+    model, tokenizer = load_source(GPT, None if hf else source, source if hf else None,
+                                   report=report)
     counts = Counter()  # filled by the writer: a temporary file beside OUT, renamed over it
     write_atomically(out, lambda tmp: counts.update(write_gguf(tmp, model, tokenizer, outtype, out.stem)))
     tensors = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))

@@ -10,26 +10,30 @@ Our checkpoint -> a Hugging Face GPT-2 directory that transformers loads unchang
 Writes config.json, the weights in HF's Conv1D layout (model.safetensors, or
 pytorch_model.bin without the safetensors package) and, for a GPT-2-style byte-level BPE
 tokenizer (the bundled one is), vocab.json + merges.txt + tokenizer_config.json.
-transformers is not needed here; hf_gpt2.py holds the layout knowledge both ways.
+transformers is not needed here; plumbing/hf.py holds the layout knowledge both ways.
 """
 
 import json
 
-# cli first, before torch: Ctrl-C during the slow imports then ends quietly (see cli.py)
-from cli import ArgumentParser, check_output_path, new_directory, run
+from plumbing.script import begin, run
 
-import torch
+if __name__ == "__main__":  # run as a command; importing this file changes nothing
+    begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
 
-from base_model import GPT
-from checkpoint import load_model
-from hf_gpt2 import GPT2_PATTERNS, byte_to_char, swap_conv1d
+import torch  # noqa: E402
+
+from base_model import GPT  # noqa: E402
+from plumbing.checkpoint import load_model  # noqa: E402
+from plumbing.cli import ArgumentParser  # noqa: E402
+from plumbing.hf import GPT2_PATTERNS, byte_to_char, swap_conv1d  # noqa: E402
+from plumbing.outputs import check_output_path, new_directory  # noqa: E402
 
 
 def hf_config(config, eot):
     """config.json: GPT2Config's names for our GPTConfig fields."""
     return {
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-        "vocab_size": config.vocab_size, "n_positions": config.block_size, "n_ctx": config.block_size,
+        "vocab_size": config.vocab_size, "n_positions": config.context_len, "n_ctx": config.context_len,
         "n_embd": config.n_embd, "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": None,
         "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
         "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
@@ -110,7 +114,7 @@ def gpt2_tokenizer_files(tokenizer):
     return {**vocab, **specials}, merges
 
 
-def write_tokenizer(tokenizer, out_dir, block_size):
+def write_tokenizer(tokenizer, out_dir, context_len):
     """vocab.json + merges.txt + tokenizer_config.json; returns one line saying what happened."""
     vocab, merges = gpt2_tokenizer_files(tokenizer)
     if vocab is None:
@@ -120,7 +124,7 @@ def write_tokenizer(tokenizer, out_dir, block_size):
     merges_text = "#version: 0.2\n" + "".join(m + "\n" for m in merges)
     (out_dir / "merges.txt").write_text(merges_text, encoding="utf-8")
     eot = "<|endoftext|>" if "<|endoftext|>" in tokenizer._special_tokens else None
-    config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size,
+    config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": context_len,
               "add_prefix_space": False, "bos_token": eot, "eos_token": eot, "unk_token": eot}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     return (f"tokenizer {tokenizer.name} ({tokenizer.n_vocab} tokens, {len(merges)} merges) "
@@ -137,7 +141,7 @@ def export(ckpt, out_dir, report=print, use_safetensors=None):
     with new_directory(out_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config(model.config, eot), indent=2))
         weights = write_weights(hf_state_dict(model), tmp, use_safetensors)
-        tokenizer_note = write_tokenizer(tokenizer, tmp, model.config.block_size)
+        tokenizer_note = write_tokenizer(tokenizer, tmp, model.config.context_len)
     report(f"wrote {out_dir}: config.json, {weights}; {tokenizer_note}")
 
 

@@ -11,10 +11,11 @@ through the KV cache, sample, stream the text, stop.
     python generate.py --prompt "ROMEO:" --kv-dtype int4 --stats    # a quantized cache
     python generate.py --score checkpoints/shakespeare/heldout.txt --kv-dtype int8
 
-The token loop itself is KVCacheGPT.stream (kv_cache.py), or GPT.stream with --no-cache;
-this file turns its tokens into text and decides when each row stops. Several prompts are
-generated as one batch (left-padded: kv_cache.py explains why the positions restart in
-every row); the output keeps their order, one block per prompt.
+This file is the command: it drives the generation loop (generation/loop.py: prefill,
+decode one token at a time, sample), turns its tokens into text and decides when each row
+stops. With --no-cache it drives the naive loop, base_model.GPT.stream, instead. Several
+prompts are generated as one batch (left-padded: kv_cache.py explains why the positions
+restart in every row); the output keeps their order, one section per prompt.
 """
 
 import json
@@ -22,19 +23,23 @@ import math
 import sys
 import time
 
-# cli first, before torch: Ctrl-C during the slow imports then ends quietly (see cli.py)
-from cli import (ArgumentParser, UserError, add_model_args, json_text, load_from_args,
-                 positive_int, run)
+from plumbing.script import UserError, begin, run
 
-import torch
-import torch.nn.functional as F
+if __name__ == "__main__":  # run as a command; importing this file changes nothing
+    begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
 
-from base_model import GPT, GenerationStats
-from kv_cache import KVCacheGPT, synchronize
-from kv_quant import KV_DTYPES, cache_formula, dtype_name
-from sample import check_sampling_args
-from text_stream import SampleText
-from validation import check_fits_in_memory, generation_memory, max_text_bytes
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from base_model import GPT  # noqa: E402
+from generation.loop import Generation, GenerationStats  # noqa: E402
+from kv_cache import KVCacheGPT  # noqa: E402
+from kv_quant import KV_DTYPES, cache_formula, dtype_name  # noqa: E402
+from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
+from plumbing.outputs import json_text  # noqa: E402
+from plumbing.text_stream import SampleText  # noqa: E402
+from plumbing.validation import check_fits_in_memory, generation_memory, max_text_bytes  # noqa: E402
+from sample import check_sampling_args  # noqa: E402
 
 
 def parse_args():
@@ -195,57 +200,60 @@ def parse_prompts_file(text, path):
     return prompts
 
 
-def encode_prompt(text, tokenizer, block_size):
+def encode_prompt(text, tokenizer, context_len):
     """Token ids of the prompt; an empty one starts from the end-of-text token."""
     ids = tokenizer.encode_ordinary(text) or [tokenizer.eot_token]
-    if len(ids) > block_size:
-        print(f"note: the prompt has {len(ids)} tokens and the context {block_size}; "
-              f"keeping its last {block_size}", file=sys.stderr)
+    if len(ids) > context_len:
+        print(f"note: the prompt has {len(ids)} tokens and the context {context_len}; "
+              f"keeping its last {context_len}", file=sys.stderr)
     return ids
 
 
 def generate(args, prompts, model, tokenizer, device):
     rows = [i for i in range(len(prompts)) for _ in range(args.num_samples)]  # prompt-major
-    rows_bytes = generation_memory(model.config, len(rows), model.lm_head.weight.element_size())
+    kv_dtype = args.kv_dtype or dtype_name(model.lm_head.weight.dtype)
+    rows_bytes = generation_memory(model.config, len(rows), kv_dtype)
     check_fits_in_memory(rows_bytes, f"decoding {len(rows):,} rows together",
                          f"--num-samples {args.num_samples} with {len(prompts)} prompts")
-    ids = [encode_prompt(p, tokenizer, model.config.block_size) for p in prompts]
+    ids = [encode_prompt(p, tokenizer, model.config.context_len) for p in prompts]
     samples = [SampleText(tokenizer, args.stop, not args.ignore_eot) for _ in rows]
     printer = Printer(samples, [prompts[i] for i in rows], row_headers(len(prompts), args.num_samples))
     streaming = not (args.no_stream or args.json)
     loop_args = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                      generator=torch.Generator(device=device).manual_seed(args.seed),
-                     stats=GenerationStats(), num_samples=args.num_samples,
-                     vocab_limit=tokenizer.n_vocab)
-    finished = set()  # rows that have stopped: the cached loop drops them from the batch
+                     stats=GenerationStats(), vocab_limit=tokenizer.n_vocab)
 
     t_start = time.perf_counter()
-    if args.no_cache:
-        tokens = model.stream(torch.tensor(ids, device=device), args.max_new_tokens, **loop_args)
+    if args.no_cache:  # the naive loop: one prompt, its samples as rows, every row to the end
+        prompt = torch.tensor(ids, device=device).repeat_interleave(args.num_samples, dim=0)
+        every_row = list(range(len(rows)))
+        steps_out = ((every_row, tokens[:, 0])
+                     for tokens in model.stream(prompt, args.max_new_tokens, **loop_args))
+        generation = None
     else:
-        tokens = model.stream(ids, args.max_new_tokens, finished=finished, compile=args.compile,
-                              cache_kind=args.kv_dtype or "prealloc", **loop_args)
+        generation = Generation(model, ids, args.max_new_tokens, num_samples=args.num_samples,
+                                compile=args.compile, cache_kind=args.kv_dtype, **loop_args)
+        steps_out = iter(generation)
     steps, decoded, t_first = 0, 0, None
-    for step_tokens in tokens:
-        step_tokens = step_tokens[:, 0].tolist()  # .tolist() waits for the step to finish
-        for row, token in enumerate(step_tokens):
-            if token >= 0 and not samples[row].done:  # -1: the row has left the batch
-                samples[row].add(token)
-                if samples[row].done:
-                    finished.add(row)
+    for step_rows, step_tokens in steps_out:
+        step_tokens = step_tokens.tolist()  # .tolist() waits for the step to finish
+        for row, token in zip(step_rows, step_tokens):
+            samples[row].add(token)
+            if samples[row].done and generation is not None:
+                generation.finish(row)  # it leaves the batch before the next step
         steps += 1
         if t_first is None:
             t_first = time.perf_counter()
         else:  # decode speed counts every token the model made after the first step
-            decoded += sum(token >= 0 for token in step_tokens)
+            decoded += len(step_tokens)
         if streaming:
             printer.update()
-        if len(finished) == len(samples):
+        if all(sample.done for sample in samples):
             break
-    tokens.close()  # ends the loop early if every row stopped, and fills the cache stats
+    steps_out.close()  # ends the loop early if every row stopped, and fills the cache stats
     t_end = time.perf_counter()
     for sample in samples:
-        sample.done = True  # max_new_tokens reached: show what is held back for stop strings
+        sample.finish()  # max_new_tokens reached: show what is held back for stop strings
 
     report = generation_stats(model, args, loop_args["stats"], ids, samples,
                               steps, decoded, t_end - t_start, t_first and t_first - t_start)
@@ -264,7 +272,7 @@ def generation_stats(model, args, stats, ids, samples, steps, decoded, seconds, 
     rows = len(samples)
     decode_seconds = seconds - first_token_seconds if first_token_seconds is not None else 0.0
     report = {
-        "prompt_tokens": [min(len(i), model.config.block_size) for i in ids],
+        "prompt_tokens": [min(len(i), model.config.context_len) for i in ids],
         "new_tokens": [s.tokens for s in samples],
         "decode_steps": steps,
         "prefill_seconds": None if args.no_cache else stats.prefill_seconds,
@@ -277,7 +285,7 @@ def generation_stats(model, args, stats, ids, samples, steps, decoded, seconds, 
     }
     if not args.no_cache:  # the naive loop keeps no cache
         kv_dtype = args.kv_dtype or dtype_name(model.lm_head.weight.dtype)
-        nbytes, formula = cache_formula(model.config, kv_dtype, stats.cache_positions, rows)
+        nbytes, formula = cache_formula(model.config, stats.cache_positions, rows, kv_dtype)
         report.update(
             cache_positions=stats.cache_positions,
             cache_bytes_formula=nbytes,
@@ -303,7 +311,7 @@ def print_stats(r):
     if "cache_bytes_allocated" in r:
         lines += [f"KV cache:            {r['cache_formula']} = {r['cache_bytes_formula']:,} B by the formula",
                   f"                     {r['cache_bytes_allocated']:,} B allocated "
-                  f"(preallocated for the whole context); {r['reprefills']} re-prefills past block_size"]
+                  f"(preallocated for the whole context); {r['reprefills']} reprefills past the context"]
     else:
         lines.append("KV cache:            none (--no-cache)")
     print("\n".join(lines), file=sys.stderr)
@@ -311,21 +319,22 @@ def print_stats(r):
 
 @torch.no_grad()
 def score(model, tokenizer, text, device, kv_dtype=None):
-    """Loss of the model on text, scored in block_size windows that overlap by half, so that
-    every token after the first window is predicted from at least block_size/2 tokens. Each
+    """Loss of the model on text, scored in context_len windows that overlap by half, so that
+    every token after the first window is predicted from at least context_len/2 tokens. Each
     window is one forward pass; with kv_dtype, the windows go through a cache of that kind
     instead (nats_through_cache), with the same windows and so the same contexts."""
     ids = torch.tensor([tokenizer.eot_token] + tokenizer.encode_ordinary(text), device=device)
-    block, n_targets = model.config.block_size, ids.numel() - 1
-    windows = score_windows(n_targets, block)
+    context_len, n_targets = model.config.context_len, ids.numel() - 1
+    windows = score_windows(n_targets, context_len)
     if kv_dtype:
-        total_nats = nats_through_cache(ids, windows, block, lambda rows: model.new_cache(rows, kv_dtype),
+        total_nats = nats_through_cache(ids, windows, context_len,
+                                        lambda rows: model.new_cache(rows, kv_dtype),
                                         lambda tokens, cache: model(tokens, cache)[0])
     else:
         total_nats = 0.0
-        for begin, end, first in windows:
-            logits = model(ids[None, begin:end])[0][0].float()
-            total_nats += F.cross_entropy(logits[first:], ids[begin + 1 + first:end + 1],
+        for window_start, end, first in windows:
+            logits = model(ids[None, window_start:end])[0][0].float()
+            total_nats += F.cross_entropy(logits[first:], ids[window_start + 1 + first:end + 1],
                                           reduction="sum").item()
     if not math.isfinite(total_nats):  # activations overflowed (float16 has a small range)
         raise UserError(f"the model's loss on this text is {total_nats} (its activations overflow "
@@ -334,25 +343,26 @@ def score(model, tokenizer, text, device, kv_dtype=None):
             "bits_per_char": total_nats / math.log(2) / len(text)}
 
 
-def score_windows(n_targets, block):
-    """(begin, end, first) per window: tokens begin..end-1 predict targets begin+1..end, of
-    which those from index `first` of the window on were not scored by an earlier window."""
-    windows, done, begin = [], 0, 0  # targets 1..done are scored
+def score_windows(n_targets, context_len):
+    """(window_start, end, first) per window: tokens window_start..end-1 predict targets
+    window_start+1..end, of which those from index `first` of the window on were not scored
+    by an earlier window."""
+    windows, done, window_start = [], 0, 0  # targets 1..done are scored
     while done < n_targets:
-        end = min(begin + block, n_targets)
-        windows.append((begin, end, done - begin))
-        done, begin = end, end - block // 2
+        end = min(window_start + context_len, n_targets)
+        windows.append((window_start, end, done - window_start))
+        done, window_start = end, end - context_len // 2
     return windows
 
 
-def nats_through_cache(ids, windows, block, new_cache, forward, rows=16):
+def nats_through_cache(ids, windows, context_len, new_cache, forward, rows=16):
     """The summed loss of score()'s windows when every prediction reads its keys and values
     back from a cache, fed as generation feeds it. new_cache(rows) makes an empty cache,
     forward(tokens, cache) returns the logits and extends the cache in place (a model from
     elsewhere fits too: benchmark.py scores transformers' quantized cache with this).
 
-    A window starts a fresh cache at position 0 (learned positions: kv_cache.py's make_room
-    re-prefills the same way), so the windows are independent and go through as the rows of
+    A window starts a fresh cache at position 0 (learned positions: the loop's reprefill
+    does the same), so the windows are independent and go through as the rows of
     one batch, right-padded (padding comes after the text: no query sees it). The first half
     of each window, the context it carries over, is prefilled; the rest is fed one token per
     step. The cache hands back what it stored, so the prefill's own predictions (scored in the
@@ -360,13 +370,13 @@ def nats_through_cache(ids, windows, block, new_cache, forward, rows=16):
     total_nats = 0.0
     for i in range(0, len(windows), rows):
         batch = windows[i:i + rows]
-        width = max(end - begin for begin, end, _ in batch)
+        width = max(end - window_start for window_start, end, _ in batch)
         tokens = torch.zeros(len(batch), width, dtype=torch.long, device=ids.device)
         targets = torch.full_like(tokens, -1)  # -1: padding, or a target scored in an earlier window
-        for row, (begin, end, first) in enumerate(batch):
-            tokens[row, :end - begin] = ids[begin:end]
-            targets[row, first:end - begin] = ids[begin + 1 + first:end + 1]
-        prefill = min(block // 2, *(end - begin for begin, end, _ in batch))
+        for row, (window_start, end, first) in enumerate(batch):
+            tokens[row, :end - window_start] = ids[window_start:end]
+            targets[row, first:end - window_start] = ids[window_start + 1 + first:end + 1]
+        prefill = min(context_len // 2, *(end - window_start for window_start, end, _ in batch))
         cache = new_cache(len(batch))
         for start, stop in [(0, prefill), *((c, c + 1) for c in range(prefill, width))]:
             logits = forward(tokens[:, start:stop], cache).float()  # (rows, stop - start, V)
@@ -388,6 +398,11 @@ def main():
             raise UserError("--no-cache generates one prompt at a time (the naive loop has no "
                             "padding); pass a single prompt, or drop --no-cache")
     model, tokenizer, device = load_from_args(GPT if args.no_cache else KVCacheGPT, args)
+    if args.kv_dtype:
+        try:  # a quantized cache needs a head size it can pack
+            model.new_cache(1, args.kv_dtype)
+        except ValueError as e:
+            raise UserError(f"--kv-dtype {args.kv_dtype}: {e}") from None
     if not args.score:
         return generate(args, prompts, model, tokenizer, device)
     result = score(model, tokenizer, text, device, args.kv_dtype)

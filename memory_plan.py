@@ -2,10 +2,11 @@
 How much memory a KV cache takes, for models from the bundled one to a Llama-3-8B, before
 anything is run: the chapter's formula with every term a number you can turn.
 
-    S_cache = 2 x N_layers x N_kv_heads x min(L, window) x head_bytes  (x batch)
+    S_cache = 2 x N_layers x N_kv_heads x min(L, sliding_window) x head_bytes  (x batch)
 
 head_bytes is d_head x P_bytes for a float cache, codes plus scales for int8/int4
-(kv_quant.head_bytes, the same function that sizes the real caches). N_kv_heads is N_heads
+(kv_quant.head_bytes); kv_quant.cache_bytes, the formula that sizes the real caches,
+computes every figure. N_kv_heads is N_heads
 for GPT-2; Llama-3 and Mistral share each cached key/value head among 4 query heads
 (grouped-query attention), which is why they cache a quarter as much per token. A sliding
 window (Mistral's 4096 tokens) caps the columns: attention never looks further back.
@@ -16,14 +17,20 @@ window (Mistral's 4096 tokens) caps the columns: attention never looks further b
 """
 
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from base_model import GPT
-from checkpoint import BUNDLED, default_checkpoint, load_model
-from cli import ArgumentParser, import_pyplot, positive_int, run
-from kv_quant import KV_DTYPES, head_bytes, kv_cache_bytes, kv_bytes_per_token
+from plumbing.script import begin, run
+
+if __name__ == "__main__":  # run as a command; importing this file changes nothing
+    begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
+
+from base_model import GPT  # noqa: E402
+from kv_quant import KV_DTYPES, head_bytes  # noqa: E402
+from kv_quant import cache_bytes as formula_bytes  # noqa: E402
+from plumbing.checkpoint import BUNDLED, default_checkpoint  # noqa: E402
+from plumbing.cli import ArgumentParser, load_source, positive_int  # noqa: E402
+from plumbing.outputs import import_pyplot  # noqa: E402
 
 WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}  # per parameter, scales not counted
 UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -36,26 +43,26 @@ class Shape:
     name: str
     n_layer: int
     n_head: int          # query heads
-    n_kv_heads: int      # cached key/value heads: n_head (MHA), fewer (GQA), 1 (MQA)
+    n_kv_head: int       # cached key/value heads: n_head (MHA), fewer (GQA), 1 (MQA)
     head_dim: int
     params: int
-    context: int         # the longest sequence the model was made for
-    window: int = None   # sliding-window attention: the cache keeps this many tokens at most
+    context_len: int     # the longest sequence the model was made for
+    sliding_window: int = None  # sliding-window attention: the cache keeps this many tokens at most
 
 
-def gpt2_params(n_layer, n_embd, vocab_size=50257, block_size=1024):
+def gpt2_params(n_layer, n_embd, vocab_size=50257, context_len=1024):
     """Parameters of a GPT-2 (base_model.GPT with biases; lm_head tied to the embedding)."""
     per_block = (2 * 2 * n_embd                          # ln_1, ln_2
                  + 3 * n_embd * n_embd + 3 * n_embd      # c_attn
                  + n_embd * n_embd + n_embd              # attn c_proj
                  + 4 * n_embd * n_embd + 4 * n_embd      # c_fc
                  + 4 * n_embd * n_embd + n_embd)         # mlp c_proj
-    return (vocab_size + block_size) * n_embd + n_layer * per_block + 2 * n_embd
+    return (vocab_size + context_len) * n_embd + n_layer * per_block + 2 * n_embd
 
 
-def llama_params(n_layer, d_model, n_head, n_kv_heads, d_ffn, vocab_size):
+def llama_params(n_layer, d_model, n_head, n_kv_head, d_ffn, vocab_size):
     """Parameters of a Llama-style model: no biases, RMSNorm, SwiGLU, untied output layer."""
-    kv_width = n_kv_heads * (d_model // n_head)
+    kv_width = n_kv_head * (d_model // n_head)
     per_block = (2 * d_model * d_model + 2 * d_model * kv_width   # q, o; k, v
                  + 3 * d_model * d_ffn + 2 * d_model)             # gate, up, down; two norms
     return 2 * vocab_size * d_model + n_layer * per_block + d_model
@@ -73,25 +80,24 @@ NAMED = [
     Shape("Llama-2-7B-like (MHA)", 32, 32, 32, 128, llama_params(32, 4096, 32, 32, 11008, 32000), 4096),
     Shape("Llama-3-8B-like (GQA 32/8)", 32, 32, 8, 128, llama_params(32, 4096, 32, 8, 14336, 128256), 8192),
     Shape("Mistral-7B-like (GQA, window 4096)", 32, 32, 8, 128,
-          llama_params(32, 4096, 32, 8, 14336, 32000), 32768, window=4096),
+          llama_params(32, 4096, 32, 8, 14336, 32000), 32768, sliding_window=4096),
 ]
 
 
 def checkpoint_shape(args):
     """The Shape of the model that --ckpt/--hf (or the default chain) names."""
-    load = load_model
-    if args.hf:
-        from hf_gpt2 import load_hf_model as load  # only --hf users need this bridge
-    path = Path(args.hf or args.ckpt or default_checkpoint())
-    model, _ = load(GPT, path, report=lambda line: print(line, file=sys.stderr))
+    model, _ = load_source(GPT, args.ckpt, args.hf)
     c = model.config
+    path = Path(args.hf or args.ckpt or default_checkpoint())
     name = "bundled model" if path.resolve() == BUNDLED else path.name
-    return Shape(name, c.n_layer, c.n_head, c.n_head, c.head_dim, model.num_params(), c.block_size)
+    return Shape(name, c.n_layer, c.n_head, c.n_kv_head, c.head_dim, model.num_params(), c.context_len)
 
 
 def cache_bytes(shape, kv_dtype, length, batch_size=1):
-    return kv_cache_bytes(shape.n_layer, shape.n_kv_heads, shape.head_dim, kv_dtype, length,
-                          batch_size, shape.window)
+    """kv_quant.cache_bytes for a shape: with a sliding window (Mistral), attention sees
+    only the last sliding_window tokens, so the cache keeps no more."""
+    kept = length if shape.sliding_window is None else min(length, shape.sliding_window)
+    return formula_bytes(shape, kept, batch_size, kv_dtype)
 
 
 def sequences_that_fit(shape, kv_dtype, length, memory, weights_dtype):
@@ -119,8 +125,8 @@ def print_tables(shapes, kv_dtypes, lengths, memory, length, weights_dtype):
           + " | ".join(f"weights {w}" for w in WEIGHT_BYTES) + " |")
     print("|---|---|---|---|---|---|---|" + "---|" * len(WEIGHT_BYTES))
     for s in shapes:
-        print(f"| {s.name} | {s.n_layer} | {s.n_head} / {s.n_kv_heads} | {s.head_dim} | "
-              f"{s.window or '-'} | {s.context:,} | {s.params / 1e6:,.0f}M | "
+        print(f"| {s.name} | {s.n_layer} | {s.n_head} / {s.n_kv_head} | {s.head_dim} | "
+              f"{s.sliding_window or '-'} | {s.context_len:,} | {s.params / 1e6:,.0f}M | "
               + " | ".join(human(s.params * b) for b in WEIGHT_BYTES.values()) + " |")
 
     print(f"\n## KV cache of one sequence, and what fits in {human(memory)} next to "
@@ -130,17 +136,17 @@ def print_tables(shapes, kv_dtypes, lengths, memory, length, weights_dtype):
           + " | tokens where cache = weights | sequences that fit |")
     print("|---|---|---|---|" + "---|" * len(lengths) + "---|---|")
     for s in shapes:
-        fit_length = min(length, s.context)
+        fit_length = min(length, s.context_len)
         weights = s.params * WEIGHT_BYTES[weights_dtype]
         for kv in kv_dtypes:
-            per_token = kv_bytes_per_token(s.n_layer, s.n_kv_heads, s.head_dim, kv)
-            cells = [human(cache_bytes(s, kv, n)) + ("*" if n > s.context else "") for n in lengths]
+            per_token = formula_bytes(s, 1, 1, kv)
+            cells = [human(cache_bytes(s, kv, n)) + ("*" if n > s.context_len else "") for n in lengths]
             fit = sequences_that_fit(s, kv, fit_length, memory, weights_dtype)
             print(f"| {s.name} | {kv} | {head_bytes(s.head_dim, kv)} B | {human(per_token)} | "
                   + " | ".join(cells) + f" | {weights / per_token:,.0f} | "
                   f"{fit:,} of {tokens_label(fit_length)} tokens |")
     print("\n\\* longer than the model's context: what the formula gives, not a length it can run. "
-          "Tokens where cache = weights: summed over the batch (the window not counted). "
+          "Tokens where cache = weights: summed over the batch (the sliding window not counted). "
           f"Sequences that fit: of --length {length} tokens, or the model's context if shorter.")
 
 
@@ -152,8 +158,8 @@ def plot(shapes, kv_dtypes, memory, path, plt):
     lengths = [2 ** k for k in range(7, 18)]  # 128 .. 128k tokens
     for i, s in enumerate(shapes):
         for kv, style in shown.items():
-            inside = [n for n in lengths if n <= s.context] + [s.context]
-            outside = [s.context] + [n for n in lengths if n > s.context]
+            inside = [n for n in lengths if n <= s.context_len] + [s.context_len]
+            outside = [s.context_len] + [n for n in lengths if n > s.context_len]
             ax.plot(inside, [cache_bytes(s, kv, n) for n in inside], linestyle=style, color=f"C{i}",
                     linewidth=2, label=s.name if style == "-" else None)
             ax.plot(outside, [cache_bytes(s, kv, n) for n in outside], linestyle=style,

@@ -13,8 +13,13 @@ the step loop; serving/server.py is the HTTP side (aiohttp). Ctrl-C stops it.
 
 import sys
 
-from cli import ArgumentParser, UserError, add_model_args, load_from_args, positive_int, run
-from kv_cache import KVCacheGPT
+from plumbing.script import UserError, begin, run
+
+if __name__ == "__main__":  # run as a command; importing this file changes nothing
+    begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
+
+from kv_cache import KVCacheGPT  # noqa: E402
+from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
 
 
 def parse_args():
@@ -63,7 +68,7 @@ def main():
     except ValueError as e:
         raise UserError(f"--num-blocks: {e}") from None
     pool = engine.pool
-    contexts = pool.num_blocks * pool.tokens_per_block / model.config.block_size
+    contexts = pool.num_blocks * pool.tokens_per_block / model.config.context_len
     print(f"KV pool: {pool.num_blocks} blocks of {pool.tokens_per_block} positions, "
           f"{pool.nbytes() / 2**20:.1f} MiB (room for {contexts:.1f} full contexts)",
           file=sys.stderr)

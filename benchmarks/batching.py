@@ -7,7 +7,7 @@ import torch
 
 from benchmarks.cache_cost import step_times
 from benchmarks.timing import repeat, spread
-from kv_cache import cache_bytes_formula
+from kv_quant import cache_bytes, dtype_name
 
 
 def batch_throughput(model, name, sizes, new_tokens, reps):
@@ -21,16 +21,16 @@ def batch_throughput(model, name, sizes, new_tokens, reps):
     for b in sizes:
         lengths = torch.randint(8, 65, (b,), generator=g).tolist()
         prompts = [torch.randint(vocab, (n,), generator=g).tolist() for n in lengths]
-        n = min(new_tokens, c.block_size - max(lengths))  # no re-prefill inside the measurement
+        n = min(new_tokens, c.context_len - max(lengths))  # no reprefill inside the measurement
 
         def step_seconds():
             times = step_times(model, "prealloc", prompts, n)
             return (times[-1] - times[0]) / (n - 1)
         steps = repeat(step_seconds, reps)
-        bytes_per_value = model.lm_head.weight.element_size()
+        kv_dtype = dtype_name(model.lm_head.weight.dtype)
         rows[b] = {"new_tokens": n, "step_ms": spread([1e3 * t for t in steps]),
                    "tok_s": spread([b / t for t in steps]),
-                   "cache_bytes_formula": cache_bytes_formula(c, max(lengths) + n, b, bytes_per_value),
+                   "cache_bytes_formula": cache_bytes(c, max(lengths) + n, b, kv_dtype),
                    "cache_bytes_allocated": model.new_cache(b).nbytes()}
     for row in rows.values():
         row["vs_batch_1"] = row["tok_s"]["median"] / rows[min(rows)]["tok_s"]["median"]

@@ -13,16 +13,18 @@ import torch.nn.functional as F
 
 from base_model import GPT, GPTConfig, store_linears_column_major
 from benchmarks.timing import repeat, spread
-from kv_cache import KVCacheGPT, cache_bytes_formula, synchronize
+from generation.loop import Generation, synchronize
+from kv_cache import KVCacheGPT
+from kv_quant import cache_bytes
 
 SHAPES = {  # random-weight models at a named shape
-    "tiny": GPTConfig(block_size=256, vocab_size=4096, n_layer=6, n_head=4, n_embd=128),
-    "gpt2": GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768),
+    "tiny": GPTConfig(context_len=256, vocab_size=4096, n_layer=6, n_head=4, n_embd=128),
+    "gpt2": GPTConfig(context_len=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768),
 }
-KINDS = {  # how a generation runs: naive, or KVCacheGPT.stream with a cache kind
+KINDS = {  # how a generation runs: naive, or the cached loop with a cache kind
     "naive": "GPT.stream: the whole context every step",
-    "cat": "KVCacheGPT.stream, torch.cat cache (the seed's)",
-    "prealloc": "KVCacheGPT.stream, preallocated KVCache",
+    "cat": "the cached loop, torch.cat cache (the seed's)",
+    "prealloc": "the cached loop, preallocated KVCache",
 }
 
 
@@ -37,8 +39,8 @@ def step_times(model, kind, prompt, n):
     device = model.lm_head.weight.device
     if kind == "naive":
         tokens = GPT.stream(model, prompt, n, temperature=0)
-    else:
-        tokens = model.stream(prompt, n, temperature=0, cache_kind=kind)
+    else:  # "prealloc" is the loop's default cache
+        tokens = Generation(model, prompt, n, temperature=0, cache_kind=None if kind == "prealloc" else kind)
     synchronize(device)
     t0, times = time.perf_counter(), []
     for _ in tokens:
@@ -62,10 +64,10 @@ def seed_demo(model, n, reps):
 
 # ---------------------------------------------------------------------------- cost vs length
 
-def latency_at(times, position, prompt_len, window=8):
+def latency_at(times, position, prompt_len, span=8):
     """Median per-token latency around a position, from cumulative step times."""
     i = max(1, min(position - prompt_len, len(times) - 1))
-    lo, hi = max(1, i - window), min(len(times), i + window + 1)
+    lo, hi = max(1, i - span), min(len(times), i + span + 1)
     return statistics.median(times[j] - times[j - 1] for j in range(lo, hi))
 
 
@@ -153,7 +155,7 @@ def floor_section(model, shape, reps):
     table (decode_speed.py), which times every contestant on the same model."""
     c = model.config
     return {"shape": shape, **bandwidth_floor(model, reps),
-            "cache_bytes_formula": cache_bytes_formula(c, c.block_size),
+            "cache_bytes_formula": cache_bytes(c, c.context_len),
             "cache_bytes_real": model.new_cache(1).nbytes()}
 
 

@@ -5,8 +5,8 @@ each against the floor that the bytes it reads set.
 A batch-1 decode step reads every weight once to make one token, so its speed is bounded
 by memory bandwidth (the floor: bytes of weights per token / the bandwidth of a plain read
 of them) and, on a small model, by the overhead of running the step at all. The forms of
-ours attack one each: compiling the step (compiled_decode.py) removes Python and dispatch
-overhead; bf16, int8 and int4 weights (quantize.py) cut the bytes. llama.cpp, hand-written
+ours attack one each: compiling the step (generation/compiled_step.py) removes Python and dispatch
+overhead; bf16, int8 and int4 weights (weight_quant.py) cut the bytes. llama.cpp, hand-written
 C++ kernels with no Python between steps, is the yardstick, in f32 (like for like), f16
 and q8_0 (its own 8-bit format).
 
@@ -25,13 +25,12 @@ import time
 
 import torch
 
-from base_model import GenerationStats
 from benchmarks.peers import (PROMPT_TOKENS, leading_matches, llama_cpp_engines, llama_greedy,
                               random_prompt)
 from benchmarks.timing import alternate, spread, timed
 from benchmarks.weight_formats import weight_bytes_per_token
-from kv_cache import synchronize
-from quantize import INT4_GROUP_SIZE, quantize_model
+from generation.loop import GenerationStats, synchronize
+from weight_quant import INT4_GROUP_SIZE, quantize_model
 
 OURS = {  # name: (the model's dtype, weight-only quantization, compiled decode step)
     "ours fp32 eager": (torch.float32, None, False),
@@ -83,7 +82,7 @@ def model_table(label, fp32_model, read_GBps, n, reps, ours, group_size, llama_e
     """Every contestant on one model: ours (names from OURS) and llama.cpp's {outtype:
     (engine, weight bytes, setup seconds)}. read_GBps: the plain-read bandwidth of this
     model's fp32 weights, measured in this run (cache_cost.bandwidth_floor)."""
-    n = min(n, fp32_model.config.block_size - PROMPT_TOKENS)  # no re-prefill inside the run
+    n = min(n, fp32_model.config.context_len - PROMPT_TOKENS)  # no re-prefill inside the run
     prompt = random_prompt(fp32_model.config.vocab_size, fp32_model.lm_head.weight.device)
     runs, rows, skipped = {}, {}, {}
     for name in ours:

@@ -21,7 +21,7 @@ import tiktoken
 import torch
 
 from benchmarks.timing import repeat, spread
-from kv_cache import synchronize
+from generation.loop import synchronize
 
 PROMPT_TOKENS = 16
 LLAMA_OUTTYPES = ("f32", "f16", "q8_0")  # f32 is the like-for-like one; the others for reference
@@ -107,7 +107,7 @@ def llama_cpp_missing():
 def placeholder_tokenizer():
     """A GGUF file must carry a tokenizer, but the peer feeds token ids, never text: the
     256 bytes and one merge stand in for any model's (random-weight shapes have none)."""
-    from hf_gpt2 import GPT2_PATTERNS
+    from plumbing.hf import GPT2_PATTERNS
     ranks = {bytes([b]): b for b in range(256)} | {b"  ": 256}
     return tiktoken.Encoding(name="placeholder", pat_str=GPT2_PATTERNS[0], mergeable_ranks=ranks,
                              special_tokens={})
@@ -157,7 +157,7 @@ def llama_cpp_engines(label, model, outtypes=LLAMA_OUTTYPES):
                 path = Path(folder) / f"{outtype}.gguf"
                 t0 = time.perf_counter()
                 write_gguf(path, model, placeholder_tokenizer(), outtype, label)
-                llm = load_llama(path, model.config.block_size, torch.get_num_threads())
+                llm = load_llama(path, model.config.context_len, torch.get_num_threads())
                 engines[outtype] = (llm, gguf_weight_bytes(path), time.perf_counter() - t0)
             yield engines
         finally:

@@ -4,7 +4,7 @@ cost curves and batch speeds as a PNG.
 """
 
 from benchmarks.cache_cost import KINDS
-from cli import MARK, write_atomically
+from plumbing.outputs import MARK, write_atomically
 
 
 def fmt_spread(s, digits=1):
@@ -95,7 +95,7 @@ def print_decode_speed(d):
 
 
 def print_kernels(k, floor):
-    print(f"\n## Weight-only quantization (quantize.py): the kernels ({k['shape']} shape, every "
+    print(f"\n## Weight-only quantization (weight_quant.py): the kernels ({k['shape']} shape, every "
           "Linear once on one vector)")
     print("| weights | MB | ms |\n|---|---|---|")
     for label, v in k["variants"].items():

@@ -1,5 +1,5 @@
 """
-Weight-only quantization (quantize.py) at the level of its kernels: every Linear of a
+Weight-only quantization (weight_quant.py) at the level of its kernels: every Linear of a
 model, one matrix-vector product each, in each weight format, activation dtype and int4
 group size; and how many bytes of weights a decode step reads in each format (the
 decode-speed table's floor, decode_speed.py).
@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 from benchmarks.timing import repeat
-from kv_cache import synchronize
-from quantize import INT4_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear, QuantizedLinear
+from generation.loop import synchronize
+from weight_quant import INT4_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear, QuantizedLinear
 
 
 def linear_layers(model):

@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the repo root: base_model, checkpoint, ...
 sys.path.insert(0, str(HERE))         # corpus.py, tokenizer.py
 from base_model import GPT, GPTConfig  # noqa: E402
-from checkpoint import load_model, save_checkpoint  # noqa: E402
+from plumbing.checkpoint import load_model, save_checkpoint  # noqa: E402
 from corpus import build_corpus  # noqa: E402
 from tokenizer import EOT, check_roundtrip, encoding, train_tokenizer  # noqa: E402
 
@@ -32,7 +32,7 @@ OUT = HERE / "shakespeare"
 # ------------------------------------------------------------------ settings
 # model: 6 blocks of 4 heads x 64 dims. 384 wide was measured here at about half the
 # tokens/s of 256 wide; within ~30 CPU minutes the smaller model sees ~2x the data and wins.
-model_args = dict(n_layer=6, n_head=4, n_embd=256, block_size=256, vocab_size=4096,
+model_args = dict(n_layer=6, n_head=4, n_embd=256, context_len=256, vocab_size=4096,
                   bias=True, dropout=0.0)  # few passes over the data: no dropout needed
 batch_size = 8           # sequences per step: 8 x 256 = 2048 tokens; small batches, more steps
 max_steps = 4000         # at most ~8.2M tokens, ~5.5 passes over the training plays
@@ -63,7 +63,7 @@ def get_progress(step, elapsed):
 
 def get_batch(data, gen):
     """batch_size random windows of the token stream; targets are inputs shifted by one."""
-    T = model_args["block_size"]
+    T = model_args["context_len"]
     ix = torch.randint(len(data) - T - 1, (batch_size,), generator=gen)
     x = torch.stack([data[i:i + T] for i in ix.tolist()])
     y = torch.stack([data[i + 1:i + 1 + T] for i in ix.tolist()])
@@ -72,10 +72,10 @@ def get_batch(data, gen):
 
 @torch.no_grad()
 def evaluate(model, data, n_chars, fast=True):
-    """Held-out loss over non-overlapping block_size windows covering every token once.
+    """Held-out loss over non-overlapping context_len windows covering every token once.
     Returns (nats/token, bits/char): bits/char = total nats / ln 2 / characters."""
     model.eval()
-    T = model_args["block_size"]
+    T = model_args["context_len"]
     n = (len(data) - 1) // T * T  # full windows, batched; then the short tail
     xs, ys = data[:n].view(-1, T), data[1:n + 1].view(-1, T)
     chunks = [(xs[i:i + 16], ys[i:i + 16]) for i in range(0, len(xs), 16)]
@@ -135,7 +135,7 @@ def main():
     gen = torch.Generator().manual_seed(seed)  # batches are reproducible too
 
     # 4. training loop; bf16 autocast roughly doubles CPU throughput (weights stay fp32)
-    tokens_per_step = batch_size * model_args["block_size"]
+    tokens_per_step = batch_size * model_args["context_len"]
     t0 = time.time()
     step = 0
     while step < max_steps:

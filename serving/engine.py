@@ -9,7 +9,8 @@ The engine: requests in, tokens out, many requests at once on one model.
 Every step asks the scheduler (scheduler.py) which sequences run, feeds them through the
 unchanged KVCacheGPT.forward with a PagedCache (paged_cache.py) as their cache, samples one
 token per sequence with its own settings, and hands each request its new text. The HTTP
-server (server.py) and the benchmark (bench.py) are two callers of this one loop.
+server (server.py) and the serving benchmark (benchmarks/serving.py) are two callers of
+this one loop.
 """
 
 import sys
@@ -21,11 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_quant import cache_bytes, dtype_name
 from sample import check_sampling_args, sample
 from serving.paged_attention import paged_decode_attention
 from serving.paged_cache import NULL_BLOCK, BlockPool, PagedCache
 from serving.scheduler import FINISHED, Scheduler, Sequence
-from text_stream import SampleText
+from plumbing.text_stream import SampleText
 
 
 @dataclass(frozen=True)
@@ -78,14 +80,14 @@ class Request(Sequence):
 DEFAULT_POOL_BYTES = 1 << 30
 
 
-def default_num_blocks(config, tokens_per_block, max_batch, bytes_per_value):
+def default_num_blocks(config, tokens_per_block, max_batch, kv_dtype):
     """Room for max_batch sequences at the full context, or DEFAULT_POOL_BYTES (1 GiB),
     whichever is less. The pool is a ceiling: what a sequence holds follows its real
     length, so a pool a fraction of max_batch full contexts still runs max_batch
     sequences of ordinary length (and preempts when they grow too long), and blocks
     nobody holds keep their contents for prefix hits."""
-    block_bytes = config.n_layer * 2 * tokens_per_block * config.n_embd * bytes_per_value
-    per_context = -(-config.block_size // tokens_per_block)
+    block_bytes = cache_bytes(config, tokens_per_block, 1, kv_dtype)
+    per_context = -(-config.context_len // tokens_per_block)
     return max(min(max_batch * per_context, DEFAULT_POOL_BYTES // block_bytes), per_context)
 
 
@@ -104,9 +106,9 @@ class Engine:
         self.device = weight.device
         if num_blocks is None:
             num_blocks = default_num_blocks(config, tokens_per_block, max_batch,
-                                            weight.element_size())
+                                            dtype_name(weight.dtype))
         self.pool = BlockPool(config, num_blocks, tokens_per_block, self.device, weight.dtype)
-        self.scheduler = Scheduler(self.pool, config.block_size, max_batch, max_prefill_tokens)
+        self.scheduler = Scheduler(self.pool, config.context_len, max_batch, max_prefill_tokens)
         self.inbox, self.cancelled = deque(), deque()  # from other threads (deque is thread-safe)
         self.wakeup = threading.Condition()
         self.thread, self.stopping = None, False
@@ -119,8 +121,8 @@ class Engine:
         """Queue a prompt (token ids); on_output(request, Output) is called from the
         engine's thread for every token, the last one with a finish_reason."""
         params.check()
-        if not 1 <= len(prompt) <= self.model.config.block_size:
-            raise ValueError(f"a prompt must have 1 to {self.model.config.block_size} tokens "
+        if not 1 <= len(prompt) <= self.model.config.context_len:
+            raise ValueError(f"a prompt must have 1 to {self.model.config.context_len} tokens "
                              f"(the model's context), got {len(prompt)}")
         request = Request(prompt, params, on_output, self.tokenizer, self.device)
         self.inbox.append(request)
@@ -153,9 +155,7 @@ class Engine:
             return False
         self.peak_blocks = max(self.peak_blocks, self.pool.num_used())
         logits = self.forward(batch)
-        for seq in batch:
-            seq.num_cached = seq.context_len
-            self.index_full_blocks(seq)
+        self.scheduler.computed(batch)
         tokens = self.sample(logits, batch).tolist()
         for request, token in zip(batch, tokens):
             self.emit(request, token)
@@ -171,7 +171,7 @@ class Engine:
     def prepare(self, batch):
         """The pass's input tokens (B, T) and its PagedCache.
 
-        Rows are right-aligned (kv_cache.left_pad's layout): S columns, the longest
+        Rows are right-aligned (generation/loop.py's left_pad layout): S columns, the longest
         context; row b starts at column pad[b], so column c holds its position c - pad[b];
         the last T columns are fed, T = the most uncached tokens of any row. A row with
         fewer feeds some cached tokens again; their writes go to the null block."""
@@ -193,18 +193,6 @@ class Engine:
                            pad.to(self.device) if pad.any() else None, length=S - T,
                            kernel=self.attention_kernel)
         return torch.tensor(tokens, device=self.device), cache
-
-    def index_full_blocks(self, seq):
-        """Blocks that filled up while decoding join the prefix index, so later requests
-        (a conversation sent again with one more turn) can share generated text too."""
-        tpb = self.pool.tokens_per_block
-        while len(seq.hashes) < seq.num_cached // tpb:
-            i = len(seq.hashes)
-            first = seq.start + i * tpb
-            h = self.pool.block_hashes(seq.tokens[first:first + tpb],
-                                       seq.hashes[-1] if seq.hashes else b"")[0]
-            self.pool.index(seq.blocks[i], h)
-            seq.hashes.append(h)
 
     def sample(self, logits, batch):
         """One token per row, (B,): rows with the same settings and no seed of their own
@@ -274,7 +262,7 @@ class Engine:
         work gets a second team, and libgomp, now managing more threads than there are
         cores, stops spinning between parallel regions: every matmul then waits for its
         threads to be woken. On 2 cores the engine made 1.4-2.3x fewer tokens a second
-        (python -m serving.bench --engine-thread background, README "Measured")."""
+        (python -m benchmarks.serving --engine-thread background; docs/serving.md)."""
         while not self.stopping:
             with self.wakeup:
                 while not self.stopping and not self.has_work():

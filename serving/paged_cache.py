@@ -2,7 +2,7 @@
 A paged KV cache: one pool of fixed-size blocks for every sequence the engine runs, a
 block table per sequence, and blocks shared between sequences that start the same way.
 
-kv_cache.KVCache preallocates block_size positions for every row, whatever the row will
+kv_cache.KVCache preallocates context_len positions for every row, whatever the row will
 really use: a 10-token request holds as much memory as a 1000-token one, and a server
 that must be ready for the longest request can hold few. Here memory is cut into blocks
 of `tokens_per_block` positions (16: nano-vllm's and vLLM's choice is 16 or 256), taken from
@@ -47,9 +47,9 @@ class BlockPool:
     head, so that gathering a sequence's positions copies whole rows of nh * hd values."""
 
     def __init__(self, config, num_blocks, tokens_per_block=16, device=None, dtype=torch.float32):
-        if num_blocks * tokens_per_block < config.block_size:
+        if num_blocks * tokens_per_block < config.context_len:
             raise ValueError(f"{num_blocks} blocks of {tokens_per_block} positions cannot hold "
-                             f"one full context of {config.block_size}; use more blocks")
+                             f"one full context of {config.context_len}; use more blocks")
         self.tokens_per_block, self.num_blocks = tokens_per_block, num_blocks
         slots = (num_blocks + 1) * tokens_per_block  # + the null block
         # zeros, not empty: padding columns are masked, but a masked NaN key or value would
@@ -89,18 +89,17 @@ class BlockPool:
     def blocks_for(self, n_tokens):
         return -(-n_tokens // self.tokens_per_block)
 
-    def allocate(self, tokens):
-        """(blocks, hashes, cached tokens) for a sequence whose context is `tokens`: cached
-        blocks for its longest known prefix, fresh ones for the rest; None (and nothing
-        taken) when there are not enough free blocks now.
+    def allocate(self, n_tokens, hashes):
+        """(blocks, hashes, cached tokens) for a sequence of n_tokens whose full blocks have
+        these prefix hashes (block_hashes): cached blocks for its longest known prefix, fresh
+        ones for the rest; None (and nothing taken) when there are not enough free blocks now.
 
         The fresh full blocks are indexed at once, before they are computed: a sequence
         admitted in the same step with the same prompt (n samples of one prompt) then
         shares them. That is safe because a forward pass writes every row's new keys of a
         layer before any row reads that layer (PagedCache.update)."""
-        hashes = self.block_hashes(tokens)
         hits = self.cached_blocks(hashes)
-        needed = self.blocks_for(len(tokens))
+        needed = self.blocks_for(n_tokens)
         from_free = needed - len(hits) + sum(self.ref_count[b] == 0 for b in hits)
         if from_free > len(self.free):
             return None
@@ -172,7 +171,7 @@ class PagedCache(Cache):
         pass copies the whole cache before attention reads it again;
       - kernel (decode only, when the engine gives one): paged_attention.py's compiled
         kernel reads each key where it lies, as vLLM's paged attention does.
-    serving/bench.py measures both against a dense KVCache."""
+    benchmarks/serving.py measures both against a dense KVCache."""
 
     def __init__(self, pool, read_slots, write_slots, pad, length, kernel=None):
         self.pool, self.read_slots, self.write_slots = pool, read_slots, write_slots

@@ -16,7 +16,7 @@ scheduler follow it):
 
     waiting: [E][F]  --admit-->  running: [A][B][C][D]  --finish-->  blocks to the pool
                 ^                                  |
-                +----------- preempt (newest) -----+    also: past block_size, re-prefill
+                +----------- preempt (newest) -----+    also: past the context, reprefill
 
 Prefill and decode never share a pass: rows are right-aligned to the longest row's new
 tokens, so one 200-token prompt in a decode batch would make every row pay for 200 columns.
@@ -29,7 +29,7 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 class Sequence:
     """A sequence's tokens and its place in the pool. tokens[start:] is its context (start
-    moves past block_size); its first num_cached context tokens have keys and values in
+    moves past context_len); its first num_cached context tokens have keys and values in
     `blocks`; the rest (one token while decoding) are fed by the next pass that runs it."""
 
     def __init__(self, prompt):
@@ -50,8 +50,8 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, pool, block_size, max_batch=64, max_prefill_tokens=2048):
-        self.pool, self.block_size = pool, block_size
+    def __init__(self, pool, context_len, max_batch=64, max_prefill_tokens=2048):
+        self.pool, self.context_len = pool, context_len
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self.waiting = deque()
         self.running = []        # in order of admission: the last is preempted first
@@ -67,8 +67,8 @@ class Scheduler:
     def schedule(self):
         """The sequences of the next pass: newly admitted ones (a prefill pass) or every
         running one (a decode pass); [] when there is nothing to do."""
-        for seq in [s for s in self.running if s.context_len > self.block_size]:
-            self.refill(seq)
+        for seq in [s for s in self.running if s.context_len > self.context_len]:
+            self.reprefill(seq)
         return self.admit() or self.decode()
 
     def admit(self):
@@ -78,11 +78,12 @@ class Scheduler:
         batch, width = [], 0
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            hit = len(self.pool.cached_blocks(self.pool.block_hashes(seq.context)))
+            hashes = self.pool.block_hashes(seq.context)  # once: allocate() reuses them
+            hit = len(self.pool.cached_blocks(hashes))
             new = seq.context_len - min(hit * self.pool.tokens_per_block, seq.context_len - 1)
             if batch and (len(batch) + 1) * max(width, new) > self.max_prefill_tokens:
                 break
-            allocated = self.pool.allocate(seq.context)
+            allocated = self.pool.allocate(seq.context_len, hashes)
             if allocated is None:
                 break
             seq.blocks, seq.hashes, seq.num_cached = allocated
@@ -100,14 +101,15 @@ class Scheduler:
         full, the newest sequences are preempted until the older ones fit."""
         batch = []
         for seq in list(self.running):
-            while seq.state == RUNNING and not self.has_slot(seq):
+            while seq.state == RUNNING and not self.reserve_next_slot(seq):
                 self.preempt(self.running[-1])
             if seq.state == RUNNING:
                 batch.append(seq)
         return batch
 
-    def has_slot(self, seq):
-        """Make sure the block for seq's next position exists (taking one if needed)."""
+    def reserve_next_slot(self, seq):
+        """Make sure the block for seq's next position exists, taking a free one if needed;
+        False when there is none to take."""
         if seq.num_cached < len(seq.blocks) * self.pool.tokens_per_block:
             return True
         if not self.pool.free:
@@ -124,11 +126,27 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
-    def refill(self, seq):
-        """Past block_size: kv_cache.KVCacheGPT.make_room's policy. The sequence keeps its
-        newest block_size // 2 tokens, which are prefilled again at positions 0.. (learned
-        positions end at block_size, and cached keys cannot move to new positions)."""
-        keep = max(1, self.block_size // 2)
+    def computed(self, batch):
+        """A pass has run: every sequence of batch has its whole context cached, and blocks
+        that filled up while decoding join the prefix index, so later requests (a
+        conversation sent again with one more turn) can share generated text too."""
+        tpb = self.pool.tokens_per_block
+        for seq in batch:
+            seq.num_cached = seq.context_len
+            while len(seq.hashes) < seq.num_cached // tpb:
+                i = len(seq.hashes)
+                first = seq.start + i * tpb
+                parent = seq.hashes[-1] if seq.hashes else b""
+                h = self.pool.block_hashes(seq.tokens[first:first + tpb], parent)[0]
+                self.pool.index(seq.blocks[i], h)
+                seq.hashes.append(h)
+
+    def reprefill(self, seq):
+        """Past the context: the generation loop's policy (generation/loop.py, reprefill).
+        The sequence keeps its newest context_len // 2 tokens, which are prefilled again at
+        positions 0.. (learned positions end at context_len, and cached keys cannot move to
+        new positions)."""
+        keep = max(1, self.context_len // 2)
         self.drop(seq)
         seq.start = len(seq.tokens) - keep
         seq.state = WAITING

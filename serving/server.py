@@ -183,7 +183,7 @@ def parse_completion(body, tokenizer, context, model_name):
 class CompletionServer:
     def __init__(self, engine, tokenizer, model_name):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.context = engine.model.config.block_size
+        self.context = engine.model.config.context_len
         self.created = int(time.time())
 
     def app(self):

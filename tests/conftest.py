@@ -17,17 +17,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from base_model import GPTConfig  # noqa: E402
-from checkpoint import save_checkpoint  # noqa: E402
+from plumbing.checkpoint import save_checkpoint  # noqa: E402
 from kv_cache import KVCacheGPT  # noqa: E402
-from validation import encoding_from_spec  # noqa: E402
+from plumbing.validation import encoding_from_spec  # noqa: E402
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 # Small shapes that still cover what matters: several heads, a non-power-of-two head count,
 # no biases, a context short enough to overflow in tests.
 TINY_CONFIGS = [
-    GPTConfig(block_size=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32),
-    GPTConfig(block_size=48, vocab_size=300, n_layer=3, n_head=3, n_embd=48, bias=False),
+    GPTConfig(context_len=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32),
+    GPTConfig(context_len=48, vocab_size=300, n_layer=3, n_head=3, n_embd=48, bias=False),
 ]
 
 
@@ -67,11 +67,11 @@ def run_script(script, *args, stdin=""):
     """`python script args`, run in this process, with stdin as its standard input: a
     subprocess.CompletedProcess with the exit status, stdout and stderr (text). A fresh
     interpreter and `import torch` cost 2-3 s per run, more than most runs' own work. The
-    script's code runs as in a process of its own (its __main__ block, cli.run's one-line
+    script's code runs as in a process of its own (its __main__ block, plumbing.script.run's one-line
     errors and exit statuses); what only a process has (signals, closed descriptors, the
     terminal, a timeout) is tested with one.
 
-    The streams are a pipe's: UTF-8, stdout strict (cli.py relaxes it), stderr
+    The streams are a pipe's: UTF-8, stdout strict (plumbing/script.py relaxes it), stderr
     backslashreplace. Bytes in args arrive as a process gets bytes that are not UTF-8
     (surrogates). Not captured: what C code writes to descriptors 1 and 2 itself. An
     exception the script lets out (a traceback and status 1 in a process) fails the test
@@ -87,7 +87,7 @@ def run_script(script, *args, stdin=""):
             try:
                 runpy.run_path(argv[0], run_name="__main__")
                 returncode = 0
-            except SystemExit as e:  # the scripts exit with a number (cli.run, argparse)
+            except SystemExit as e:  # the scripts exit with a number (plumbing.script.run, argparse)
                 returncode = e.code or 0
         stdout, stderr = (read_back(stream) for stream in streams[1:])
     finally:

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from checkpoint import ROOT
+from plumbing.checkpoint import ROOT
 from conftest import TINY_CONFIGS, run_script
 from kv_cache import KVCacheGPT
 

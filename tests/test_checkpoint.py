@@ -5,7 +5,7 @@ import tiktoken
 import torch
 
 from base_model import GPT
-from checkpoint import CheckpointError, load_model, read_checkpoint
+from plumbing.checkpoint import CheckpointError, load_model, read_checkpoint
 from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
 from kv_cache import KVCacheGPT
 
@@ -30,7 +30,7 @@ def test_nanogpt_layout_with_compile_prefix_and_mask_buffers(tmp_path):
     state = {"_orig_mod." + k: v for k, v in ref.state_dict().items()}
     state["_orig_mod.transformer.h.0.attn.bias"] = torch.ones(1, 1, 64, 64).tril()
     path = tmp_path / "nano.pt"
-    model_args = {k: getattr(CONFIG, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")}
+    model_args = {k: getattr(CONFIG, k) for k in ("n_layer", "n_head", "n_embd", "context_len", "bias", "vocab_size", "dropout")}
     torch.save({"model": state, "model_args": model_args, "iter_num": 5,
                 "config": {"batch_size": 12, "learning_rate": 6e-4}, "tokenizer": byte_tokenizer_spec()}, path)
     model, _ = load_model(GPT, path, report=lambda _: None)
@@ -38,21 +38,21 @@ def test_nanogpt_layout_with_compile_prefix_and_mask_buffers(tmp_path):
 
 
 def test_bare_state_dict_infers_config(tmp_path):
-    config = type(CONFIG)(block_size=40, vocab_size=270, n_layer=3, n_head=2, n_embd=128)
+    config = type(CONFIG)(context_len=40, vocab_size=270, n_layer=3, n_head=2, n_embd=128)
     ref = tiny_model(config, cls=GPT)
     state = {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}
     path = tmp_path / "bare.pt"
     torch.save(state, path)
     with pytest.raises(CheckpointError, match="gpt2"):  # nothing says which tokenizer: gpt2
         load_model(GPT, path, report=lambda _: None)
-    from checkpoint import clean_state_dict, infer_config
+    from plumbing.checkpoint import clean_state_dict, infer_config
     inferred = infer_config(clean_state_dict(state), path)
-    assert (inferred.n_layer, inferred.n_embd, inferred.block_size, inferred.vocab_size,
+    assert (inferred.n_layer, inferred.n_embd, inferred.context_len, inferred.vocab_size,
             inferred.n_head) == (3, 128, 40, 270, 2)  # n_head from 64-wide heads
 
 
 def test_fp16_checkpoint_loads_into_fp32(tmp_path):
-    from checkpoint import save_checkpoint
+    from plumbing.checkpoint import save_checkpoint
     ref = tiny_model(CONFIG)
     save_checkpoint(tmp_path / "half.pt", ref, byte_tokenizer_spec(), dtype=torch.float16)
     model, _ = load_model(KVCacheGPT, tmp_path / "half.pt", report=lambda _: None)

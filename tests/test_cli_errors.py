@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from checkpoint import ROOT
+from plumbing.checkpoint import ROOT
 from conftest import TINY_CONFIGS, byte_tokenizer_spec, run_script, tiny_model
 
 
@@ -35,7 +35,7 @@ def files(tmp_path_factory):
     for name, obj in {"tiny": {"model": state, "config": config, "tokenizer": byte_tokenizer_spec()},
                       "nan": {"model": nan, "config": config, "tokenizer": byte_tokenizer_spec()},
                       "heads0": {"model": state, "config": config | {"n_head": 0}},
-                      "context1e6": {"model": state, "config": config | {"block_size": 10 ** 6}},
+                      "context1e6": {"model": state, "config": config | {"context_len": 10 ** 6}},
                       "no_eot": {"model": state, "config": config,
                                  "tokenizer": byte_tokenizer_spec() | {"special_tokens": {}}}}.items():
         torch.save(obj, d / f"{name}.pt")

@@ -1,4 +1,4 @@
-"""The static-shape decode step (compiled_decode.py): one graph for every step, the same
+"""The static-shape decode step (generation/compiled_step.py): one graph for every step, the same
 tokens as the eager loop.
 
 Graph logic is checked with torch.compile's "eager" backend (dynamo traces and guards the
@@ -12,18 +12,19 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import compiled_decode
-from base_model import GenerationStats, GPTConfig
+from base_model import GPTConfig
 from conftest import tiny_model
+from generation import compiled_step
+from generation.loop import Generation, GenerationStats, generate_tokens
 from kv_cache import KVCache
 
-CONFIG = GPTConfig(block_size=32, vocab_size=260, n_layer=2, n_head=2, n_embd=32)
+CONFIG = GPTConfig(context_len=32, vocab_size=260, n_layer=2, n_head=2, n_embd=32)
 
 
 @pytest.fixture
 def eager_backend(monkeypatch):
-    monkeypatch.setitem(compiled_decode.COMPILE_OPTIONS, "backend", "eager")
-    monkeypatch.delitem(compiled_decode.COMPILE_OPTIONS, "options")  # inductor's alone
+    monkeypatch.setitem(compiled_step.COMPILE_OPTIONS, "backend", "eager")
+    monkeypatch.delitem(compiled_step.COMPILE_OPTIONS, "options")  # inductor's alone
     torch._dynamo.reset()
     counters.clear()
     yield
@@ -31,13 +32,13 @@ def eager_backend(monkeypatch):
 
 
 def greedy(model, prompts, n, **kw):
-    return torch.cat(list(model.stream(prompts, n, temperature=0, **kw)), dim=1)
+    return generate_tokens(model, prompts, n, temperature=0, **kw)
 
 
 def test_one_graph_for_every_step_and_the_same_tokens(eager_backend):
     model = tiny_model(CONFIG, seed=21)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12]]  # left padding in the graph too
-    n = 3 * CONFIG.block_size  # through re-prefills (eager) between compiled steps
+    n = 3 * CONFIG.context_len  # through reprefills (eager) between compiled steps
     stats = GenerationStats()
     compiled = greedy(model, prompts, n, compile=True, stats=stats)
     assert torch.equal(compiled, greedy(model, prompts, n))
@@ -68,11 +69,13 @@ def test_single_row_num_samples_and_finished_rows(eager_backend):
     model = tiny_model(CONFIG, seed=22)
     prompt = torch.tensor([[7, 8, 9, 10]])
     assert torch.equal(greedy(model, prompt, 40, compile=True), greedy(model, prompt, 40))
-    finished, steps = set(), 0
-    for steps, tokens in enumerate(model.stream([[1], [2, 3]], 50, temperature=0, num_samples=2,
-                                                compile=True, finished=finished), start=1):
-        assert tokens.shape == (4, 1)  # finished rows stay in the batch: one graph
-        finished.update({0, 1} if steps == 3 else ({2, 3} if steps == 9 else set()))
+    generation = Generation(model, [[1], [2, 3]], 50, temperature=0, num_samples=2, compile=True)
+    steps = 0
+    for steps, (rows, tokens) in enumerate(generation, start=1):
+        # finished rows stay in the compiled batch (one graph) but get no more tokens
+        assert rows == ([0, 1, 2, 3] if steps <= 3 else [2, 3]) and tokens.shape == (len(rows),)
+        for row in ((0, 1) if steps == 3 else (2, 3) if steps == 9 else ()):
+            generation.finish(row)
     assert steps == 9
 
 
@@ -85,7 +88,7 @@ def test_needs_the_preallocated_cache(eager_backend):
 def test_inductor_compiles_once_and_matches_eager():
     torch._dynamo.reset()
     counters.clear()
-    config = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16)
+    config = GPTConfig(context_len=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16)
     model = tiny_model(config, seed=23)
     prompts = [[1, 2, 3], [4, 5]]
     assert torch.equal(greedy(model, prompts, 40, compile=True), greedy(model, prompts, 40))

@@ -7,18 +7,19 @@ import math
 import pytest
 import torch
 
-from base_model import GPT, GenerationStats, GPTConfig
+from base_model import GPT, GPTConfig
+from generation.loop import GenerationStats, generate_tokens
 from conftest import byte_tokenizer_spec, tiny_model
 from generate import score
 from kv_cache import KVCacheGPT
-from validation import encoding_from_spec
+from plumbing.validation import encoding_from_spec
 
 TOKENIZER = encoding_from_spec(byte_tokenizer_spec(), "bytes")
 TEXT = "To be, or not to be: that is the question."
 
 
-def tiny(block_size, cls=KVCacheGPT):
-    return tiny_model(GPTConfig(block_size=block_size, vocab_size=260, n_layer=1, n_head=2, n_embd=16), cls=cls)
+def tiny(context_len, cls=KVCacheGPT):
+    return tiny_model(GPTConfig(context_len=context_len, vocab_size=260, n_layer=1, n_head=2, n_embd=16), cls=cls)
 
 
 @torch.no_grad()
@@ -34,21 +35,21 @@ def test_score_with_a_one_position_context():
     assert math.isclose(result["nats_per_token"] * result["tokens"], nats, abs_tol=1e-4)
 
 
-@pytest.mark.parametrize("block_size", [2, 3])
-def test_score_with_tiny_contexts_is_finite(block_size):
-    result = score(tiny(block_size), TOKENIZER, TEXT, torch.device("cpu"))
+@pytest.mark.parametrize("context_len", [2, 3])
+def test_score_with_tiny_contexts_is_finite(context_len):
+    result = score(tiny(context_len), TOKENIZER, TEXT, torch.device("cpu"))
     assert result["tokens"] == len(TEXT) and math.isfinite(result["nats_per_token"])
 
 
-@pytest.mark.parametrize("block_size", [1, 2, 3])
-def test_generation_past_a_tiny_context(block_size):
-    """12 greedy tokens past a context of 1-3 positions: the cached loop re-prefills each
-    time its window fills and keeps going. With one position, every step sees only the
+@pytest.mark.parametrize("context_len", [1, 2, 3])
+def test_generation_past_a_tiny_context(context_len):
+    """12 greedy tokens past a context of 1-3 positions: the cached loop reprefills each
+    time its context fills and keeps going. With one position, every step sees only the
     newest token, exactly as the naive loop does, so the two must agree."""
-    model, prompt, stats = tiny(block_size), torch.tensor([[TOKENIZER.eot_token]]), GenerationStats()
-    tokens = torch.cat(list(model.stream(prompt, 12, temperature=0, stats=stats)), dim=1)
+    model, prompt, stats = tiny(context_len), torch.tensor([[TOKENIZER.eot_token]]), GenerationStats()
+    tokens = generate_tokens(model, prompt, 12, temperature=0, stats=stats)
     assert tokens.shape == (1, 12) and 0 <= tokens.min() and tokens.max() < 260
     assert stats.reprefills > 0
-    if block_size == 1:
+    if context_len == 1:
         naive = list(tiny(1, cls=GPT).stream(prompt, 12, temperature=0))
         assert tokens.tolist() == torch.cat(naive, dim=1).tolist()

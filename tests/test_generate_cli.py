@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from checkpoint import BUNDLED, ROOT, load_model
+from plumbing.checkpoint import BUNDLED, ROOT, load_model
 from conftest import run_script
-from generate import SampleText
+from plumbing.text_stream import SampleText
 from kv_cache import KVCacheGPT
 
 BLOCK_SIZE = 256  # the bundled model's context (checked below)
@@ -78,12 +78,12 @@ def test_stop_string_truncates_and_is_not_printed():
     assert generate(*args, "--stop", stop).stdout == "ROMEO:" + cut + "\n"
 
 
-def test_ten_times_block_size_tokens():
-    assert load_model(KVCacheGPT, BUNDLED, report=lambda _: None)[0].config.block_size == BLOCK_SIZE
+def test_ten_times_context_len_tokens():
+    assert load_model(KVCacheGPT, BUNDLED, report=lambda _: None)[0].config.context_len == BLOCK_SIZE
     n = 10 * BLOCK_SIZE
     out = generate_json("--prompt", "", "--max-new-tokens", str(n), "--ignore-eot", "--seed", "1")
     assert out["stats"]["new_tokens"] == [n]
-    # a 1-token prompt fills the window after 255 steps; a re-prefill keeps 128 tokens, so
+    # a 1-token prompt fills the context after 255 steps; a reprefill keeps 128 tokens, so
     # the next one comes 129 steps later (the last of the n tokens needs no forward pass)
     first = BLOCK_SIZE - 1
     assert out["stats"]["reprefills"] == (n - 1 - first) // (BLOCK_SIZE // 2 + 1) + 1

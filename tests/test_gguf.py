@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import BUNDLED, load_model, save_checkpoint
-from cli import UserError
+from plumbing.checkpoint import BUNDLED, load_model, save_checkpoint
+from plumbing.script import UserError
 from conftest import ROOT, TINY_CONFIGS, byte_tokenizer_spec, run_script, tiny_model
 from export_gguf import export
 from kv_cache import KVCacheGPT
@@ -96,7 +96,7 @@ def test_metadata_llama_cpp_needs(bpe_ckpt, tmp_path, config):
     assert fields["general.file_type"] == gguf.LlamaFileType.ALL_F32
     assert {k: fields[f"gpt2.{k}"] for k in ("context_length", "embedding_length", "feed_forward_length",
                                              "block_count", "attention.head_count")} == {
-        "context_length": config.block_size, "embedding_length": config.n_embd,
+        "context_length": config.context_len, "embedding_length": config.n_embd,
         "feed_forward_length": 4 * config.n_embd, "block_count": config.n_layer,
         "attention.head_count": config.n_head}
     assert fields["gpt2.attention.layer_norm_epsilon"] == pytest.approx(1e-5)
@@ -122,7 +122,7 @@ def test_bundled_tokenizer_round_trips(tmp_path):
     export(BUNDLED, out, report=quiet)
     _, enc = load_model(KVCacheGPT, BUNDLED, report=quiet)
     fields, _ = read(out)
-    from hf_gpt2 import byte_to_char
+    from plumbing.hf import byte_to_char
     to_byte = {c: b for b, c in byte_to_char().items()}
     tokens = fields["tokenizer.ggml.tokens"]
     for rank, token in enumerate(tokens[:enc.eot_token]):

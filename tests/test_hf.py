@@ -18,11 +18,12 @@ import sys
 import pytest
 import torch
 
-from checkpoint import BUNDLED, CheckpointError, load_model, save_checkpoint
+from plumbing.checkpoint import BUNDLED, CheckpointError, load_model, save_checkpoint
 from conftest import ROOT, TINY_CONFIGS, byte_tokenizer_spec, run_script, tiny_model
-from cli import UserError
+from plumbing.script import UserError
 from export_hf import export
-from hf_gpt2 import load_hf_model
+from plumbing.hf import load_hf_model
+from generation.loop import generate_tokens
 from kv_cache import KVCacheGPT
 
 transformers = pytest.importorskip("transformers")
@@ -60,7 +61,7 @@ def quiet(*_):
 
 def gpt2_byte_chars():
     """GPT-2's byte -> character table written out from its definition (independently of
-    hf_gpt2.byte_to_char): the printable ranges keep their characters, in this order, and
+    plumbing.hf.byte_to_char): the printable ranges keep their characters, in this order, and
     the other 68 bytes become chr(256), chr(257), ... in byte order."""
     kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
             *range(ord("®"), ord("ÿ") + 1)]
@@ -159,7 +160,7 @@ def test_greedy_generation_matches_hf(hf_pair):
     assert mine.tolist() == theirs.tolist()
 
 
-@pytest.mark.parametrize("kind", ["cat", "prealloc"])
+@pytest.mark.parametrize("kind", ["cat", None], ids=["cat", "prealloc"])
 @torch.no_grad()
 def test_batch_of_different_prompts_matches_hf_left_padding(hf_pair, kind):
     """HF's own way to batch different prompts: left padding plus attention_mask (from
@@ -173,13 +174,13 @@ def test_batch_of_different_prompts_matches_hf_left_padding(hf_pair, kind):
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     theirs = hf.generate(padded, attention_mask=attention_mask, do_sample=False,
                          max_new_tokens=GEN_TOKENS, eos_token_id=None, pad_token_id=0)[:, width:]
-    mine = torch.cat(list(ours.stream(prompts, GEN_TOKENS, temperature=0, cache_kind=kind)), dim=1)
+    mine = generate_tokens(ours, prompts, GEN_TOKENS, temperature=0, cache_kind=kind)
     assert mine.tolist() == theirs.tolist()
     alone = ours.generate(torch.tensor([prompts[2]]), GEN_TOKENS, temperature=0)[0, len(prompts[2]):]
     assert mine[2].tolist() == alone.tolist()
 
 
-@pytest.mark.parametrize("kind", ["cat", "prealloc"])
+@pytest.mark.parametrize("kind", ["cat", None], ids=["cat", "prealloc"])
 @torch.no_grad()
 def test_hf_cache_agrees_with_ours(hf_pair, kind):
     """Both caches fed the same chunks: each step's logits agree, so both index positions
@@ -232,7 +233,7 @@ def test_tokenizer_json_only(tmp_path):
 def check_export(ours, enc, out, label):
     """from_pretrained loads `out` unchanged; logits and tokenization agree with ours."""
     hf = GPT2LMHeadModel.from_pretrained(out).eval()
-    n = min(ours.config.block_size, 200)
+    n = min(ours.config.context_len, 200)
     idx = torch.randint(enc.n_vocab, (2, n), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         diff = (ours(idx)[0] - hf(idx).logits).abs().max().item()
@@ -371,9 +372,9 @@ def test_error_damaged_weights(tmp_path, hf_dir):
 
 
 def test_cli_hf_flag(hf_dir):
-    """cli.load_from_args hands --hf DIR to load_hf_model (the contract generate.py relies on)."""
+    """plumbing.cli.load_from_args hands --hf DIR to load_hf_model (the contract generate.py relies on)."""
     from argparse import Namespace
-    from cli import load_from_args
+    from plumbing.cli import load_from_args
     model, enc, device = load_from_args(KVCacheGPT, Namespace(hf=str(hf_dir), ckpt=None, device="cpu",
                                                               dtype="float32", seed=0,
                                                               quantize="none", group_size=None))

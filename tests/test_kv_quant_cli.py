@@ -1,6 +1,7 @@
 """--kv-dtype through the scripts on the bundled model (and an --hf export of it), and the
 memory planner as a user runs it. The scripts run in this process (conftest.run_script), but
-for one run each of kv_cache.py, kv_quant.py and memory_plan.py in a process of its own
+for one run each of kv_cache.py, benchmarks/kv_dtypes.py and memory_plan.py in a process of
+its own
 (generate.py's is in test_generate_cli.py)."""
 
 import json
@@ -9,27 +10,31 @@ import sys
 
 import pytest
 
-from checkpoint import BUNDLED, ROOT
-from kv_quant import kv_cache_bytes
+from plumbing.checkpoint import BUNDLED, ROOT
+from base_model import GPTConfig
+from kv_quant import cache_bytes
 from test_generate_cli import generate, generate_json, run_cli
 
 GREEDY = ("--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "30", "--ignore-eot")
-BUNDLED_SHAPE = (6, 4, 64)  # layers, heads, head_dim (test_generate_cli checks the context)
+# the bundled model's shape (test_generate_cli checks the context)
+BUNDLED_SHAPE = GPTConfig(context_len=256, vocab_size=4096, n_layer=6, n_head=4, n_embd=256)
 
 
 def run_in_a_process(script, *args):
-    """`python script args`, as a user runs it: a fresh interpreter, its own streams."""
-    return subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True,
+    """`python script args` (or `python -m module args` for a module name), as a user runs
+    it: a fresh interpreter, its own streams, in the repository."""
+    command = [str(ROOT / script)] if script.endswith(".py") else ["-m", script]
+    return subprocess.run([sys.executable, *command, *args], capture_output=True, text=True, cwd=ROOT,
                           encoding="utf-8", errors="strict", stdin=subprocess.DEVNULL, timeout=300)
 
 
 def test_stats_formula_counts_the_scales():
     stats = generate_json(*GREEDY, "--kv-dtype", "int4")["stats"]
-    assert stats["cache_formula"] == ("2 x 6 layers x 4 heads x L=31 x (64 head_dim x 0.5 B "
+    assert stats["cache_formula"] == ("2 x 6 layers x 4 kv heads x L=31 x (64 head_dim x 0.5 B "
                                       "+ 2 x 2 B scales) x 1 rows")
-    assert stats["cache_bytes_formula"] == kv_cache_bytes(*BUNDLED_SHAPE, "int4", 31) == 31 * 1728
-    # preallocated for the whole context: the formula at L = block_size, to the byte
-    assert stats["cache_bytes_allocated"] == kv_cache_bytes(*BUNDLED_SHAPE, "int4", 256)
+    assert stats["cache_bytes_formula"] == cache_bytes(BUNDLED_SHAPE, 31, 1, "int4") == 31 * 1728
+    # preallocated for the whole context: the formula at L = context_len, to the byte
+    assert stats["cache_bytes_allocated"] == cache_bytes(BUNDLED_SHAPE, 256, 1, "int4")
     proc = generate(*GREEDY, "--kv-dtype", "int8", "--stats")
     assert "(64 head_dim x 1 B + 1 x 2 B scale)" in proc.stderr and "811,008 B allocated" in proc.stderr
 
@@ -72,9 +77,9 @@ def test_bad_kv_dtype_is_one_line(args, mention):
 def test_demos_with_a_quantized_cache():
     proc = run_in_a_process("kv_cache.py", "--ckpt", str(BUNDLED), "--kv-dtype", "int4", "--tokens", "8")
     assert proc.returncode == 0, proc.stderr
-    assert "int4: 2 x 6 layers x 4 heads x L=256" in proc.stdout
+    assert "int4: 2 x 6 layers x 4 kv heads x L=256" in proc.stdout
     assert "= 442,368 B, tensors hold 442,368 B" in proc.stdout
-    proc = run_in_a_process("kv_quant.py", "--ckpt", str(BUNDLED), "--tokens", "4", "--prompts", "2")
+    proc = run_in_a_process("benchmarks.kv_dtypes", "--ckpt", str(BUNDLED), "--tokens", "4", "--prompts", "2")
     assert proc.returncode == 0, proc.stderr
     for line in ("int8      (64 head_dim x 1 B + 1 x 2 B scale) =  66 B", "per channel, groups of 32 tokens",
                  "int4     :"):

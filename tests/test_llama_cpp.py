@@ -17,7 +17,7 @@ and changes greedy text within a few tokens, which the 200-token comparisons cat
 import pytest
 import torch
 
-from checkpoint import BUNDLED, load_model
+from plumbing.checkpoint import BUNDLED, load_model
 from export_gguf import export
 from kv_cache import KVCacheGPT
 from benchmarks.cache_cost import bandwidth_floor
@@ -56,7 +56,7 @@ def bundled(tmp_path_factory):
     engines = {}
     for outtype in ("f32", "f16", "q8_0"):
         export(BUNDLED, folder / f"bundled-{outtype}.gguf", outtype, report=quiet)
-        engines[outtype] = load_llama_all_logits(folder / f"bundled-{outtype}.gguf", ours.config.block_size)
+        engines[outtype] = load_llama_all_logits(folder / f"bundled-{outtype}.gguf", ours.config.context_len)
     yield ours, enc, engines
     for llm in engines.values():
         llm.close()
@@ -73,7 +73,7 @@ def load_llama_all_logits(path, n_ctx):
 def test_bundled_logits_match(bundled):
     """A held-out passage of a full context: every position's logits, f32 file."""
     ours, enc, engines = bundled
-    ids = enc.encode_ordinary(HELDOUT.read_text(encoding="utf-8"))[:ours.config.block_size]
+    ids = enc.encode_ordinary(HELDOUT.read_text(encoding="utf-8"))[:ours.config.context_len]
     with torch.no_grad():
         mine = ours(torch.tensor([ids]))[0][0]
     diff = (mine - llama_logits(engines["f32"], ids)).abs().max().item()
@@ -105,7 +105,7 @@ def test_lossy_files_stay_close(bundled, outtype, worst, agree):
     """f16 and q8_0 change the weights (tests/test_gguf.py bounds by how much): the logits
     move, but the model's choices barely: the argmax agrees with ours at most positions."""
     ours, enc, engines = bundled
-    ids = enc.encode_ordinary(HELDOUT.read_text(encoding="utf-8"))[:ours.config.block_size]
+    ids = enc.encode_ordinary(HELDOUT.read_text(encoding="utf-8"))[:ours.config.context_len]
     with torch.no_grad():
         mine = ours(torch.tensor([ids]))[0][0]
     theirs = llama_logits(engines[outtype], ids)
@@ -136,13 +136,13 @@ def test_hf_directory(tmp_path):
     """A random GPT2LMHeadModel saved by transformers, exported with --hf: llama.cpp agrees
     with our import of the same directory (3 heads; 263 tokens padded to 300 rows)."""
     pytest.importorskip("transformers", reason="transformers is not installed: pip install -r requirements-dev.txt")
-    from hf_gpt2 import load_hf_model
+    from plumbing.hf import load_hf_model
     from test_hf import HF_CONFIGS, make_hf_dir
     hf_dir, out = tmp_path / "hf", tmp_path / "hf.gguf"
     make_hf_dir(hf_dir, **HF_CONFIGS["48d-3heads-safetensors-sdpa"])
     export(hf_dir, out, hf=True, report=quiet)
     ours, enc = load_hf_model(KVCacheGPT, hf_dir, report=quiet)
-    llm = load_llama_all_logits(out, ours.config.block_size)
+    llm = load_llama_all_logits(out, ours.config.context_len)
     try:
         ids = torch.randint(enc.n_vocab, (1, 100), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():

@@ -20,9 +20,11 @@ import pytest
 import torch
 
 from base_model import GPTConfig
-from kv_cache import KVCacheGPT, cache_bytes_formula
+from generation.loop import Generation
+from kv_cache import KVCacheGPT
+from kv_quant import cache_bytes
 
-CONFIG = GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=4, n_embd=128)
+CONFIG = GPTConfig(context_len=32, vocab_size=256, n_layer=2, n_head=4, n_embd=128)
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MB = 1e6
 
@@ -45,22 +47,22 @@ def model():
 
 
 def test_leak_yardstick_matches_the_docstring():
-    assert cache_bytes_formula(CONFIG, 1) == 2048 and cache_bytes_formula(CONFIG, 32) == 65536
+    assert cache_bytes(CONFIG, 1) == 2048 and cache_bytes(CONFIG, 32) == 65536
 
 
-@pytest.mark.parametrize("kind", ["prealloc", "cat"])
+@pytest.mark.parametrize("kind", [None, "cat"], ids=["prealloc", "cat"])
 def test_ten_blocks_in_one_call_stay_flat(model, kind):
-    n, prompt = 10 * CONFIG.block_size, torch.zeros(2, 8, dtype=torch.long)
+    n, prompt = 10 * CONFIG.context_len, torch.zeros(2, 8, dtype=torch.long)
 
     def run():
         g = torch.Generator().manual_seed(0)
-        return model.stream(prompt, n, generator=g, cache_kind=kind)
+        return Generation(model, prompt, n, generator=g, cache_kind=kind)
 
-    list(run())  # warm-up: the same shapes, the same re-prefills
+    list(run())  # warm-up: the same shapes, the same reprefills
     start, peak, tokens = rss(), 0, []
-    for step, token in enumerate(run()):
-        tokens.append(token)
-        if step % CONFIG.block_size == 0:  # during the run too: a leak freed at the end still counts
+    for step, (_, token) in enumerate(run()):
+        tokens.append(token[:, None])
+        if step % CONFIG.context_len == 0:  # during the run too: a leak freed at the end still counts
             peak = max(peak, rss())
     growth = max(peak, rss()) - start
     assert len(tokens) == n and all(t.shape == (2, 1) for t in tokens)
@@ -69,12 +71,12 @@ def test_ten_blocks_in_one_call_stay_flat(model, kind):
 
 
 def test_a_thousand_one_token_calls_stay_flat(model):
-    prompt = torch.randint(CONFIG.vocab_size, (1, CONFIG.block_size))  # a full cache per call
+    prompt = torch.randint(CONFIG.vocab_size, (1, CONFIG.context_len))  # a full cache per call
     for _ in range(20):  # warm-up
         model.generate(prompt, 1)
     start = rss()
     for _ in range(1000):
         out = model.generate(prompt, 1)
-        assert out.shape == (1, CONFIG.block_size + 1) and torch.equal(out[:, :-1], prompt)
+        assert out.shape == (1, CONFIG.context_len + 1) and torch.equal(out[:, :-1], prompt)
     growth = rss() - start
     assert growth < 16 * MB, f"RSS grew {growth / MB:.1f} MB over 1000 calls"

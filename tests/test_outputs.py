@@ -1,4 +1,4 @@
-"""Outputs (cli.py): checked before any work, never over a file that is not ours, written
+"""Outputs (plumbing/outputs.py): checked before any work, never over a file that is not ours, written
 so that a failure (a full disk, Ctrl-C) leaves the old file and no debris behind."""
 
 import errno
@@ -7,10 +7,11 @@ import os
 
 import pytest
 
-import cli
-from cli import UserError, check_output_path, json_text, new_directory, write_atomically
+from plumbing import outputs
+from plumbing.outputs import check_output_path, json_text, new_directory, write_atomically
+from plumbing.script import UserError
 from conftest import TINY_CONFIGS, tiny_model
-from checkpoint import save_checkpoint
+from plumbing.checkpoint import save_checkpoint
 
 
 def refused(path, kind, words):
@@ -57,7 +58,7 @@ def test_write_atomically_replaces_ours(tmp_path):
     write_atomically(path, lambda tmp: open(tmp, "w").write(json_text({"a": 2}, generator="test")))
     assert json.loads(path.read_text())["a"] == 2 and os.listdir(path.parent) == ["r.json"]
     mode = path.stat().st_mode & 0o777
-    assert mode == 0o666 & ~cli.umask()  # a normal file, not mkstemp's private 0600
+    assert mode == 0o666 & ~outputs.umask()  # a normal file, not mkstemp's private 0600
     write_atomically(os.devnull, "streams are written directly")
 
 
@@ -69,7 +70,7 @@ def test_full_disk_leaves_the_old_file_and_no_debris(tmp_path, monkeypatch, wher
     def disk_full(*_):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if where == "fsync":
-        monkeypatch.setattr(cli.os, "fsync", disk_full)
+        monkeypatch.setattr(outputs.os, "fsync", disk_full)
         data = "new" * 1000
     else:
         def data(tmp):
@@ -107,7 +108,7 @@ def test_new_directory_appears_complete_or_not_at_all(tmp_path):
 
 
 def test_new_directory_on_a_full_disk(tmp_path, monkeypatch):
-    monkeypatch.setattr(cli.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    monkeypatch.setattr(outputs.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
     with pytest.raises(UserError, match="No space left on device"):
         with new_directory(tmp_path / "export") as tmp:
             (tmp / "model.safetensors").write_bytes(b"x" * 100)

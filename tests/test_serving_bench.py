@@ -1,4 +1,4 @@
-"""serving/bench.py runs end to end on a tiny checkpoint (the real figures come from real
+"""benchmarks/serving.py runs end to end on a tiny checkpoint (the real figures come from real
 runs): every way serves every request, HTTP included, and nothing leaks."""
 
 import json
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from checkpoint import ROOT
+from plumbing.checkpoint import ROOT
 
 pytest.importorskip("aiohttp")
 
@@ -15,7 +15,7 @@ pytest.importorskip("aiohttp")
 def test_quick_serving_benchmark_writes_its_report(tmp_path, tiny_ckpt):
     out = tmp_path / "serve.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "serving.bench", "--ckpt", str(tiny_ckpt), "--device", "cpu",
+        [sys.executable, "-m", "benchmarks.serving", "--ckpt", str(tiny_ckpt), "--device", "cpu",
          "--quick", "--requests", "6", "--max-batch", "4", "--rate", "50", "--json", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
@@ -31,7 +31,7 @@ def test_quick_serving_benchmark_writes_its_report(tmp_path, tiny_ckpt):
 
 @pytest.mark.parametrize("args", [["--modes", "turbo"], ["--url", "127.0.0.1:8000"]])
 def test_bad_flags_exit_2(args):
-    proc = subprocess.run([sys.executable, "-m", "serving.bench", *args],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.serving", *args],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
 
@@ -40,7 +40,7 @@ def test_outputs_checked_before_the_run(tmp_path):
     """--json over a file we did not write is refused up front, and the file is untouched."""
     precious = tmp_path / "notes.json"
     precious.write_text('{"mine": 1}')
-    proc = subprocess.run([sys.executable, "-m", "serving.bench", "--json", str(precious)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.serving", "--json", str(precious)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "was not written by kvcache-gpt" in proc.stderr
     assert precious.read_text() == '{"mine": 1}'
@@ -50,10 +50,10 @@ def test_outputs_checked_before_the_run(tmp_path):
 def test_continuous_serves_the_workload_with_the_engine_on_either_thread(engine_thread):
     from base_model import GPTConfig
     from conftest import byte_tokenizer, tiny_model
-    from serving.bench import run_continuous
+    from benchmarks.serving import run_continuous
     from serving.engine import Engine
 
-    model = tiny_model(GPTConfig(block_size=32, vocab_size=260, n_layer=1, n_head=2, n_embd=16))
+    model = tiny_model(GPTConfig(context_len=32, vocab_size=260, n_layer=1, n_head=2, n_embd=16))
     engine = Engine(model, byte_tokenizer(), tokens_per_block=4, attention="gather")
     requests = [(0.01 * i, [65 + i] * (3 + i), 5 + i) for i in range(4)]  # (arrival, prompt, n)
     result = run_continuous(engine, requests, engine_thread)

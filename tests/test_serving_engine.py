@@ -1,6 +1,6 @@
 """The serving engine (serving/): every request's tokens equal the same prompt generated
-alone by KVCacheGPT.stream, whatever runs beside it (different prompts, shared prefixes,
-preemption in a pool too small for the batch, re-prefill past block_size), and every
+alone by the generation loop, whatever runs beside it (different prompts, shared prefixes,
+preemption in a pool too small for the batch, reprefill past the context), and every
 block goes back to the pool.
 
 Token equality is exact: a row computes the same arithmetic as alone in differently
@@ -15,10 +15,11 @@ import torch
 
 from base_model import GPTConfig
 from conftest import byte_tokenizer, tiny_model
+from generation.loop import generate_tokens
 from serving.engine import Engine, SamplingParams, default_num_blocks
 from serving.paged_cache import BlockPool
 
-CONFIG = GPTConfig(block_size=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
+CONFIG = GPTConfig(context_len=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
 TOKENIZER = byte_tokenizer()
 GREEDY = dict(temperature=0, stop_at_eot=False)
 
@@ -34,9 +35,8 @@ def random_prompts(lengths, seed=0):
 
 
 def alone(model, prompt, n, **kw):
-    """What KVCacheGPT.stream gives the prompt by itself."""
-    tokens = model.stream([prompt], n, vocab_limit=TOKENIZER.n_vocab, **kw)
-    return torch.cat(list(tokens), dim=1)[0].tolist()
+    """What the generation loop gives the prompt by itself."""
+    return generate_tokens(model, [prompt], n, vocab_limit=TOKENIZER.n_vocab, **kw)[0].tolist()
 
 
 def run(engine, prompts, **params):
@@ -55,7 +55,7 @@ def assert_pool_is_whole(engine):
                                                          (16, "kernel"), (8, "gather")])
 def test_concurrent_prompts_equal_each_alone(model, tokens_per_block, attention):
     # lengths across block boundaries, one at the full context; 150 new tokens go past
-    # block_size (64), so every row also re-prefills, each at its own step. Both ways of
+    # context_len (64), so every row also reprefills, each at its own step. Both ways of
     # reading the pages: the compiled paged kernel and the gather
     prompts = random_prompts([1, 5, 16, 17, 33, 64, 40])
     engine = Engine(model, TOKENIZER, tokens_per_block=tokens_per_block, max_batch=4,
@@ -227,21 +227,25 @@ def test_prefix_hashes_cover_everything_before_a_block():
 
 def test_unused_cached_blocks_are_evicted_oldest_first():
     pool = BlockPool(CONFIG, num_blocks=16, tokens_per_block=4)
-    first, _, _ = pool.allocate(list(range(64)))  # all 16 blocks
+
+    def allocate(tokens):
+        return pool.allocate(len(tokens), pool.block_hashes(tokens))
+    first, _, _ = allocate(list(range(64)))  # all 16 blocks
     pool.release(first)
-    assert pool.allocate(list(range(64)))[2] == 64  # freed, but still cached: a full hit
+    assert allocate(list(range(64)))[2] == 64  # freed, but still cached: a full hit
     pool.release(first)
-    fresh, _, cached = pool.allocate(list(range(100, 104)))
+    fresh, _, cached = allocate(list(range(100, 104)))
     assert cached == 0 and fresh == [first[-1]]  # the last block, freed first, goes first
     pool.release(fresh)
-    assert pool.allocate(list(range(64)))[2] == 60  # its 15 blocks before it still hit
+    assert allocate(list(range(64)))[2] == 60  # its 15 blocks before it still hit
 
 
 def test_the_default_pool_holds_max_batch_full_contexts_up_to_1_gib():
-    assert default_num_blocks(CONFIG, 8, max_batch=4, bytes_per_value=4) == 4 * 64 // 8
-    gpt2 = GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)
-    blocks = default_num_blocks(gpt2, 16, max_batch=64, bytes_per_value=4)
+    assert default_num_blocks(CONFIG, 8, max_batch=4, kv_dtype="float32") == 4 * 64 // 8
+    gpt2 = GPTConfig(context_len=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)
+    blocks = default_num_blocks(gpt2, 16, max_batch=64, kv_dtype="float32")
     block_bytes = 12 * 2 * 16 * 768 * 4  # layers x (k, v) x positions x width x fp32
     assert blocks * block_bytes <= 2**30 < (blocks + 1) * block_bytes  # 64 contexts: 4.5 GiB
-    # never less than one full context, whatever the cap
-    assert default_num_blocks(gpt2, 16, max_batch=64, bytes_per_value=2**20) == 1024 // 16
+    # never less than one full context, whatever the cap: a block of this shape is 151 MB
+    huge = GPTConfig(context_len=1024, vocab_size=50257, n_layer=96, n_head=96, n_embd=12288)
+    assert default_num_blocks(huge, 16, max_batch=64, kv_dtype="float32") == 1024 // 16

@@ -12,17 +12,17 @@ import time
 import urllib.request
 
 import pytest
-import torch
 
 pytest.importorskip("aiohttp")
 openai = pytest.importorskip("openai")
 
 from base_model import GPTConfig  # noqa: E402
 from conftest import ROOT, byte_tokenizer, tiny_model  # noqa: E402
+from generation.loop import generate_tokens  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.server import BackgroundServer  # noqa: E402
 
-CONFIG = GPTConfig(block_size=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
+CONFIG = GPTConfig(context_len=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
 TOKENIZER = byte_tokenizer()
 NAME = "tiny"
 
@@ -51,7 +51,7 @@ def client(server):
 
 def greedy_alone(model, text, n):
     ids = TOKENIZER.encode_ordinary(text)
-    out = torch.cat(list(model.stream([ids], n, temperature=0, vocab_limit=TOKENIZER.n_vocab)), 1)
+    out = generate_tokens(model, [ids], n, temperature=0, vocab_limit=TOKENIZER.n_vocab)
     return TOKENIZER.decode(out[0].tolist())
 
 
@@ -229,14 +229,14 @@ def test_serve_py_bad_flags_exit_2_with_one_line(tiny_ckpt, args, message):
 
 
 def test_the_benchmarks_load_test_against_a_running_server(server):
-    """python -m serving.bench --url: the load test alone, against a server already up."""
-    from serving.bench import run_url
+    """python -m benchmarks.serving --url: the load test alone, against a server already up."""
+    from benchmarks.serving import run_url
     url, engine = server
     requests = [(0.0, [65, 66, 67], 5), (0.01, [70] * 10, 8), (0.02, [71], 1)]  # (at, prompt, n)
     result = run_url(url, requests)
     assert result["output_tokens"] == 5 + 8 + 1 and result["errors"] == 0
     assert result["leaked_blocks"] == 0 and result["preemptions"] == 0
     assert result["ttft_p50_ms"] > 0
-    from cli import UserError
+    from plumbing.script import UserError
     with pytest.raises(UserError, match="should end in /v1"):  # one line, exit 2 for a user
         run_url(url.removesuffix("/v1"), requests)

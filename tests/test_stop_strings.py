@@ -1,11 +1,11 @@
-"""Stop strings (stop_strings.py, generate.SampleText): the linear-time matcher finds what a
-plain search finds, holds back exactly the text that may still become a stop string, and
-does not slow down with the stop string's length."""
+"""Stop strings (plumbing/text_stream.py: StopString, SampleText): the linear-time matcher
+finds what a plain search finds, holds back exactly the text that may still become a stop
+string, and does not slow down with the stop string's length."""
 
 from hypothesis import given, settings, strategies as st
 
-from generate import SampleText
-from stop_strings import StopString
+from plumbing.text_stream import SampleText
+from plumbing.text_stream import StopString
 
 
 class CharTokenizer:

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from checkpoint import ROOT, save_checkpoint
+from plumbing.checkpoint import ROOT, save_checkpoint
 from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
 
 PROMPT = "naïve 🎭"

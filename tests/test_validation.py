@@ -1,4 +1,4 @@
-"""The validation layer (validation.py) on hostile configs, sizes, weights and tokenizers:
+"""The validation layer (plumbing/validation.py) on hostile configs, sizes, weights and tokenizers:
 each is refused in one CheckpointError line naming what is wrong, before anything large is
 built or allocated. Everything here runs in-process on tiny files made in the test; the
 CLI path (exit status 2) is test_cli_errors.py's."""
@@ -13,13 +13,13 @@ import pytest
 import tiktoken
 import torch
 
-import validation
+from plumbing import validation
 from base_model import GPT, GPTConfig
-from checkpoint import build_model, load_model, read_checkpoint
+from plumbing.checkpoint import build_model, load_model, read_checkpoint
 from conftest import ROOT, TINY_CONFIGS, byte_tokenizer_spec, tiny_model
-from hf_gpt2 import encoding_from_bpe, parse_tokenizer_json
+from plumbing.hf import encoding_from_bpe, parse_tokenizer_json
 from kv_cache import KVCacheGPT
-from validation import CheckpointError, config_from_dict, encoding_from_spec
+from plumbing.validation import CheckpointError, config_from_dict, encoding_from_spec
 
 CONFIG = TINY_CONFIGS[0]
 GOOD = vars(CONFIG).copy()
@@ -49,7 +49,7 @@ def save(path, config=GOOD, tokenizer=None, state=None):
     (dict(n_layer="2"), "n_layer must be a positive integer.*, got '2'"),
     (dict(n_layer=None), "n_layer must be a positive integer.*, got None"),
     (dict(n_head=True), "n_head must be a positive integer.*, got True"),
-    (dict(block_size=0), "block_size must be a positive integer"),
+    (dict(context_len=0), "context_len must be a positive integer"),
     (dict(vocab_size=2 ** 70), "below 2\\*\\*63"),
     (dict(dropout=5.0), "dropout must be a number in \\[0, 1\\)"),
     (dict(dropout=float("nan")), "dropout must be a number"),
@@ -79,7 +79,7 @@ def test_a_training_only_config_means_infer_from_the_weights(tmp_path):
     """nanoGPT's 'config' (training settings) without model_args says nothing about the model."""
     path = save(tmp_path / "c.pt", {"learning_rate": 6e-4, "batch_size": 12})
     model, _ = load_model(GPT, path, report=lambda _: None)
-    assert (model.config.n_layer, model.config.n_embd, model.config.block_size) == (2, 32, 64)
+    assert (model.config.n_layer, model.config.n_embd, model.config.context_len) == (2, 32, 64)
 
 
 def test_parameter_count_matches_the_model(config):
@@ -90,7 +90,7 @@ def test_parameter_count_matches_the_model(config):
 # ---------------------------------------------------------------------------- sizes
 
 HUGE = [  # (change, what the line must say); each would allocate terabytes or take hours
-    (dict(block_size=300_000), "300,000-position context"),
+    (dict(context_len=300_000), "300,000-position context"),
     (dict(n_layer=10 ** 9), "parameters"),
     (dict(vocab_size=10 ** 12), "parameters"),
     (dict(n_embd=2 ** 40, n_head=1), "parameters"),
@@ -119,7 +119,7 @@ def test_huge_configs_are_refused_without_allocating(tmp_path):
         paths.append(str(save(tmp_path / f"huge{i}.pt", GOOD | change)))
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
             f"sys.path.insert(0, {str(ROOT)!r})\n"
-            "from checkpoint import load_model, CheckpointError\nfrom kv_cache import KVCacheGPT\n"
+            "from plumbing.checkpoint import load_model, CheckpointError\nfrom kv_cache import KVCacheGPT\n"
             "for p in sys.argv[1:]:\n"
             "    try: load_model(KVCacheGPT, p)\n"
             "    except CheckpointError as e: print(e)\n")
@@ -287,7 +287,7 @@ def test_good_spec_round_trips_everything():
 # ---------------------------------------------------------------------------- HF tokenizer files
 
 def char(b):
-    from hf_gpt2 import byte_to_char
+    from plumbing.hf import byte_to_char
     return byte_to_char()[b]
 
 
@@ -431,7 +431,7 @@ def test_any_tokenizer_json_is_an_encoding_or_one_line(value):
 
 def test_hf_config_json_values(tmp_path):
     """config.json fields through the same checks (names as config.json spells them)."""
-    from hf_gpt2 import read_config
+    from plumbing.hf import read_config
     base = {"model_type": "gpt2", "n_positions": 64, "vocab_size": 300, "n_layer": 2, "n_head": 4, "n_embd": 32}
     for change, words in [({"n_embd": 32.0}, "n_embd must be a positive integer"),
                           ({"n_positions": 0}, "n_positions must be"), ({"n_head": 0}, "n_head must be"),

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import build_model, clean_state_dict, describe, read_checkpoint, split_checkpoint
-from validation import (EOT, PYTHON_OBJECTS_PER_FILE_BYTE, CheckpointError, build_encoding,
+from plumbing.checkpoint import build_model, clean_state_dict, describe, read_checkpoint, split_checkpoint
+from plumbing.validation import (EOT, PYTHON_OBJECTS_PER_FILE_BYTE, CheckpointError, build_encoding,
                         check_file_fits, check_tensors, config_from_dict, named_encoding, short_repr)
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -31,7 +31,7 @@ TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 GPT2_PATTERNS = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
                  r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
 # config.json's names for GPTConfig's fields
-HF_NAMES = {"block_size": "n_positions", "vocab_size": "vocab_size", "n_layer": "n_layer",
+HF_NAMES = {"context_len": "n_positions", "vocab_size": "vocab_size", "n_layer": "n_layer",
             "n_head": "n_head", "n_embd": "n_embd"}
 CONFIG_JSON_MAX_BYTES = 1 << 20  # GPT-2's is 0.7 KB: a larger file is not a model config
 

@@ -12,23 +12,27 @@ But it can only do that for shapes it has seen. The eager step's shapes change e
 (the cache holds one more column, the mask and positions slice moves), and a graph keyed
 on them recompiles each time: that is why compiling KVCacheGPT.forward as it is made
 decoding 7x slower. Here every shape is fixed for the whole generation:
-  - the cache is the preallocated KVCache, block_size columns, and attention reads all of
+  - the cache is the preallocated KVCache, context_len columns, and attention reads all of
     them, with a mask that hides the columns not written yet (and any left padding);
   - the step's position is a tensor, not a Python int: the write index for the new key and
     value (index_put_ at that column) and the row of the position table it looks up.
 Reading the whole buffer costs a little (the bundled model's full cache is 3 MB against
 23 MB of weights; GPT-2's 75 MB against 494 MB): less than what compiling removes.
 
-Only decode is compiled; the prompt's prefill and the re-prefill past block_size change
-shape by nature and stay eager (kv_cache.py). Rows that finish early keep running (unseen):
-dropping them would change the batch size and so the graph.
+Only decode is compiled; the prompt's prefill and the reprefill past the context change
+shape by nature and stay eager (generation/loop.py). Rows that finish early keep running
+(unseen): dropping them would change the batch size and so the graph.
 """
+
+import time
 
 import torch
 
+from kv_quant import dtype_name
+
 
 class StaticStep:
-    """What attention sees as its cache inside the compiled step (kv_cache.Cache's attend):
+    """What attention sees as its cache inside the compiled step (a kv_cache.Cache):
     it writes the new column at a position held in a tensor and attends over the whole
     buffer, so no shape depends on how much has been cached."""
 
@@ -91,3 +95,34 @@ def compiled_decode_step(model):
     if getattr(model, "_compiled_decode_step", None) is None:
         model._compiled_decode_step = torch.compile(decode_step, **COMPILE_OPTIONS)
     return model._compiled_decode_step
+
+
+def compile_for(model, cache):
+    """Compile the step for this cache's shapes before decoding, on a scratch copy of the
+    buffer (the real one is untouched); returns the seconds it took, which the loop reports
+    apart from the decode speed. cache: a kv_cache.KVCache in the model's dtype."""
+    if getattr(cache, "kv_dtype", None) != dtype_name(model.lm_head.weight.dtype):
+        # the step writes raw keys and values of the model's dtype into the buffer
+        raise ValueError("the compiled decode step needs the preallocated cache in the "
+                         "model's dtype (no other cache_kind)")
+    # the step attends over every column, the unwritten ones masked; but a masked NaN still
+    # poisons attention (0 x NaN = NaN), and the buffer is torch.empty: any bits at all.
+    # Zero what has not been written, once per generation.
+    cache.kv[..., cache.length:, :].zero_()
+    t0 = time.perf_counter()
+    token = torch.zeros(cache.kv.size(2), 1, dtype=torch.long, device=cache.kv.device)
+    compiled_decode_step(model)(model, token, torch.empty_like(cache.kv),
+                                torch.tensor([0], device=token.device), token[:, 0])
+    if token.device.type == "cuda":
+        torch.cuda.synchronize(token.device)
+    return time.perf_counter() - t0
+
+
+def decode(model, tokens, cache):
+    """Logits (B, V) for tokens (B, 1) through the compiled step; the step writes its column
+    into the cache's buffer in place, and the cache counts it."""
+    pad = cache.pad if cache.pad is not None else torch.zeros_like(tokens[:, 0])
+    length = torch.tensor([cache.length], device=tokens.device)
+    logits = compiled_decode_step(model)(model, tokens, cache.kv, length, pad)
+    cache.advance(1)
+    return logits

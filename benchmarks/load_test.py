@@ -2,10 +2,10 @@
 A load test: every request of a workload as its own streaming client of an
 OpenAI-compatible completions server (serve.py's, or any other: vLLM's), each sent at its
 arrival time, every server-sent event timed as it arrives; and the statistics the serving
-benchmark reports for any way of serving (bench.py): output tokens/s, time to first token
+benchmark reports for any way of serving (serving.py): output tokens/s, time to first token
 and inter-token latency, p50 and p95.
 
-    python -m serving.bench --url http://127.0.0.1:8000/v1 ...   # against a running server
+    python -m benchmarks.serving --url http://127.0.0.1:8000/v1 ...   # against a running server
 """
 
 import asyncio

@@ -8,7 +8,7 @@ which refuses pickles that would construct arbitrary objects. Accepted layouts:
 A checkpoint may carry its tokenizer ('tokenizer': tiktoken ranks, or an encoding name);
 one that says nothing is taken to use GPT-2's encoding, as nanoGPT-style checkpoints do.
 Every file, config, tokenizer and tensor is checked by validation.py before a model is
-built from it; build_model is the one place a model is built, for hf_gpt2.py too.
+built from it; build_model is the one place a model is built, for plumbing/hf.py too.
 """
 
 import dataclasses
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from validation import (SHAPE_FIELDS, CheckpointError, check_archive_fits, check_file_fits,
+from plumbing.validation import (SHAPE_FIELDS, CheckpointError, check_archive_fits, check_file_fits,
                         check_input_file, check_layer_count, check_tokenizer_fits, check_values,
                         check_weights, check_tensors, config_from_dict, encoding_from_spec,
                         layer_indices)
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository
 BUNDLED = ROOT / "checkpoints" / "shakespeare" / "ckpt.pt"
 # The seed's lookup order when no checkpoint is named: a learner's own, then the bundled one.
 DEFAULT_CHAIN = [ROOT / "checkpoints" / "ckpt_sft.pt", ROOT / "checkpoints" / "ckpt_base.pt", BUNDLED]
@@ -111,7 +111,7 @@ def infer_config(state_dict, path):
             raise CheckpointError(f"{path}: {key} has shape {tuple(state_dict[key].shape)}, "
                                   "expected (rows, n_embd)")
     vocab_size, n_embd = state_dict["transformer.wte.weight"].shape
-    fields = dict(block_size=state_dict["transformer.wpe.weight"].size(0), vocab_size=vocab_size,
+    fields = dict(context_len=state_dict["transformer.wpe.weight"].size(0), vocab_size=vocab_size,
                   n_layer=max(layer_indices(state_dict), default=-1) + 1,
                   n_head=max(1, n_embd // 64), n_embd=n_embd, bias="transformer.ln_f.bias" in state_dict)
     return config_from_dict(fields, f"{path} (no config: inferred from the weights, 64-wide heads)")
@@ -162,7 +162,7 @@ def load_model(cls, path=None, device="cpu", dtype=torch.float32, report=print):
 def describe(model):
     c = model.config
     return (f"{model.num_params() / 1e6:.2f}M params, {c.n_layer} layers, {c.n_head} heads, "
-            f"{c.n_embd} dims, context {c.block_size}")
+            f"{c.n_embd} dims, context {c.context_len}")
 
 
 def save_checkpoint(path, model, tokenizer_spec=None, dtype=None, **extra):

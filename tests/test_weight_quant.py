@@ -1,4 +1,4 @@
-"""Weight-only quantization (quantize.py): the schemes' error bounds, the quantized Linear
+"""Weight-only quantization (weight_quant.py): the schemes' error bounds, the quantized Linear
 against fp32, the model's state dict, generation in both loops, and the --quantize flag.
 
 Tolerances, derived once here and used below:
@@ -25,11 +25,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from base_model import GPT
-from checkpoint import BUNDLED, load_model, save_checkpoint
+from plumbing.checkpoint import BUNDLED, load_model, save_checkpoint
 from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
 from generate import score
 from kv_cache import KVCacheGPT
-from quantize import (Int4Linear, Int8Linear, QuantizedLinear, dequantize_int4, dequantize_int8,
+from weight_quant import (Int4Linear, Int8Linear, QuantizedLinear, dequantize_int4, dequantize_int8,
                       quantize_int4, quantize_int8, quantize_model)
 from test_generate_cli import generate, run_cli
 

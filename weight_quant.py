@@ -11,7 +11,7 @@ zero point per group of G): about 4x and 7x fewer bytes per token.
 
 What it trades: each weight is rounded to one of 255 (int8) or 16 (int4) levels, so the
 model computes with slightly different weights. The error per weight is at most half a
-level (scale / 2), and held-out bits per character show what that costs (README).
+level (scale / 2), and held-out bits per character show what that costs (docs/generation.md).
 
 The two schemes, for a weight W of shape (out, in), row n = output channel n:
   int8, symmetric, per output channel: scale[n] = max|W[n]| / 127, q = round(W / scale)
@@ -24,13 +24,13 @@ The two schemes, for a weight W of shape (out, in), row n = output channel n:
         zero = lo + 8 * scale (torch's kernel takes the value at level 8). A zero point
         is free here because the kernel wants one, and it spends all 16 levels on the
         group's actual range instead of half of them on a side that may be empty.
-        G = 32, chosen by measurement (README): the smallest group the kernel takes and
+        G = 32, chosen by measurement (docs/generation.md): the smallest group the kernel takes and
         the best held-out quality, for 0.625 bytes per weight against G = 64's 0.5625.
 
 The kernels: torch's CPU ones, torch._weight_int8pack_mm and
 aten._weight_int4pack_mm_for_cpu (with aten._convert_weight_to_int4pack_for_cpu for its
 packed layout), are fast only with bfloat16 activations: fed fp32 (or fp16) the int8 one
-is several times slower than a plain fp32 product (README). So on the CPU each quantized
+is several times slower than a plain fp32 product (docs/benchmarks.md). So on the CPU each quantized
 Linear casts its input to bf16, runs the kernel, and casts the output back. On any other
 device (cuda, mps) a portable path dequantizes the weight and calls F.linear in the
 model's dtype: it saves memory, not time. It is deliberately simple because no GPU was

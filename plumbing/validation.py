@@ -26,9 +26,11 @@ import tiktoken
 import torch
 
 from base_model import GPTConfig
+from kv_quant import cache_bytes
+from plumbing.script import UserError
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint or tokenizer that cannot be used; the message is one line for the user."""
 
 
@@ -107,26 +109,25 @@ def parameter_count(c):
     LayerNorm weights without biases); wte and wpe; ln_f. lm_head is wte, tied."""
     C = c.n_embd
     norms_and_biases = 13 * C if c.bias else 2 * C
-    return (c.vocab_size * C + c.block_size * C + c.n_layer * (12 * C * C + norms_and_biases)
+    return (c.vocab_size * C + c.context_len * C + c.n_layer * (12 * C * C + norms_and_biases)
             + (2 * C if c.bias else C))
 
 
 def model_memory(c):
     """(bytes, what) to build and run a model of config c: fp32 weights (the load
-    precision), the module objects, KVCacheGPT's causal mask (block_size^2 bools) and one
-    row's KV cache over the whole context (2 x layers x positions x C floats)."""
+    precision), the module objects, KVCacheGPT's causal mask (context_len^2 bools) and one
+    row's fp32 KV cache over the whole context (kv_quant.cache_bytes)."""
     weights = 4 * parameter_count(c) + c.n_layer * BYTES_PER_BLOCK_OBJECTS
-    context = c.block_size ** 2 + 2 * c.n_layer * c.block_size * c.n_embd * 4
+    context = c.context_len ** 2 + cache_bytes(c, c.context_len, 1, "float32")
     what = (f"this model ({parameter_count(c):,} parameters: {format_bytes(weights)}; a "
-            f"{c.block_size:,}-position context: {format_bytes(context)} of mask and KV cache)")
+            f"{c.context_len:,}-position context: {format_bytes(context)} of mask and KV cache)")
     return weights + context, what
 
 
-def generation_memory(c, rows, bytes_per_value):
+def generation_memory(c, rows, kv_dtype):
     """Bytes that `rows` rows decoded together hold: each its KV cache over the whole
-    context, its window of token ids and a row of fp32 logits."""
-    per_row = (2 * c.n_layer * c.block_size * c.n_embd * bytes_per_value
-               + 8 * c.block_size + 4 * c.vocab_size)
+    context, its history of token ids and a row of fp32 logits."""
+    per_row = cache_bytes(c, c.context_len, 1, kv_dtype) + 8 * c.context_len + 4 * c.vocab_size
     return rows * per_row
 
 
@@ -188,18 +189,24 @@ def check_archive_fits(path):
 
 # ---------------------------------------------------------------------------- model config
 
-SHAPE_FIELDS = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")
+SHAPE_FIELDS = ("context_len", "vocab_size", "n_layer", "n_head", "n_embd")
+# What other files call a field: nanoGPT (and our checkpoints before the rename) call the
+# context block_size
+FIELD_ALIASES = {"block_size": "context_len"}
 
 
 def config_from_dict(fields, source, names=None):
     """A GPTConfig from a dict of its fields (other keys are ignored: nanoGPT keeps more),
     every value checked before anything is built, and the model it describes checked
     against the memory this machine has. `names` maps a field to what the file calls it
-    (config.json's n_positions is our block_size), for the messages."""
+    (config.json's n_positions is our context_len), for the messages."""
     names = names or {}
     if not isinstance(fields, dict):
         raise CheckpointError(f"{source}: the model config is a {type(fields).__name__}, "
                               "expected a dict of GPTConfig fields")
+    for alias, name in FIELD_ALIASES.items():
+        if alias in fields and name not in fields:
+            fields, names = {**fields, name: fields[alias]}, {name: alias, **names}
     for name in SHAPE_FIELDS:
         if name not in fields:
             raise CheckpointError(f"{source}: the model config has no {names.get(name, name)!r}")

@@ -1,17 +1,17 @@
 """
 Serving a workload, three ways, and through HTTP:
 
-    python -m serving.bench --quick                                  # a minute, tiny
-    python -m serving.bench --requests 64 --prompt-len 16 --output-len 128 --json out/a.json
-    python -m serving.bench --shape gpt2 --rate 4 --plot out/serve.png
-    python -m serving.bench --url http://127.0.0.1:8000/v1           # a running server only
-    python -m serving.bench --modes continuous --engine-thread background
+    python -m benchmarks.serving --quick                                  # a minute, tiny
+    python -m benchmarks.serving --requests 64 --prompt-len 16 --output-len 128 --json out/a.json
+    python -m benchmarks.serving --shape gpt2 --rate 4 --plot out/serve.png
+    python -m benchmarks.serving --url http://127.0.0.1:8000/v1           # a running server only
+    python -m benchmarks.serving --modes continuous --engine-thread background
 
 A seeded workload (--requests, prompt and output lengths drawn from ranges, arriving all
 at once or as a Poisson process of --rate requests/s), greedy, run to its max_tokens:
 
-    sequential   KVCacheGPT.stream, one request at a time (batch 1)
-    static       KVCacheGPT.stream on groups of --max-batch requests in arrival order: a
+    sequential   the generation loop (generation/loop.py), one request at a time (batch 1)
+    static       the generation loop on groups of --max-batch requests in arrival order: a
                  group starts when its last member has arrived and the group before it
                  has finished, so it waits for its longest member
     continuous   the engine (serving/engine.py) in-process: requests join at once
@@ -32,23 +32,30 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from datetime import date
 
-import torch
+from plumbing.script import UserError, begin, run
 
-from base_model import GPTConfig, store_linears_column_major
-from benchmarks.timing import repeat, timed
-from cli import (MARK, ArgumentParser, UserError, add_model_args, check_output_path, import_pyplot,
-                 json_text, load_from_args, positive_int, run, write_atomically)
-from kv_cache import KVCache, KVCacheGPT
-from serving.engine import Engine, SamplingParams, default_num_blocks
-from serving.load_test import LoadTestError, load_test, load_test_summary, summary
+if __name__ == "__main__":  # run as a command; importing this file changes nothing
+    begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
 
-SHAPES = {"gpt2": GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)}
+import torch  # noqa: E402
+
+from base_model import GPTConfig, store_linears_column_major  # noqa: E402
+from benchmarks.load_test import LoadTestError, load_test, load_test_summary, summary  # noqa: E402
+from benchmarks.timing import repeat, timed  # noqa: E402
+from generation.loop import Generation  # noqa: E402
+from kv_cache import KVCache, KVCacheGPT  # noqa: E402
+from kv_quant import dtype_name  # noqa: E402
+from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
+from plumbing.outputs import MARK, check_output_path, import_pyplot, json_text, write_atomically  # noqa: E402
+from serving.engine import Engine, SamplingParams, default_num_blocks  # noqa: E402
+
+SHAPES = {"gpt2": GPTConfig(context_len=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)}
 MODES = ("sequential", "static", "continuous", "http")
 
 
 # ---------------------------------------------------------------------------- the workload
 
-def workload(args, vocab, block_size):
+def workload(args, vocab, context_len):
     """[(arrival seconds, prompt ids, new tokens)] for args.requests requests, seeded."""
     g = torch.Generator().manual_seed(args.seed)
 
@@ -59,7 +66,7 @@ def workload(args, vocab, block_size):
     arrivals = gaps.cumsum(0).tolist()
     requests = []
     for arrival in arrivals:
-        prompt_len = min(draw(*args.prompt_len), block_size)
+        prompt_len = min(draw(*args.prompt_len), context_len)
         prompt = torch.randint(vocab, (prompt_len,), generator=g).tolist()
         requests.append((arrival, prompt, draw(*args.output_len)))
     return requests
@@ -74,17 +81,16 @@ def wait_until(t0, arrival):
 # ---------------------------------------------------------------------------- the ways
 
 def timed_stream(model, prompts, new_tokens):
-    """Token times of each row of one KVCacheGPT.stream over prompts, each row stopping at
-    its own count (it leaves the batch; the batch runs until its longest is done)."""
-    finished, times = set(), [[] for _ in prompts]
-    for step, _ in enumerate(model.stream(prompts, max(new_tokens), temperature=0,
-                                          finished=finished)):
+    """Token times of each row of one Generation over prompts, each row stopping at its own
+    count (it leaves the batch; the batch runs until its longest is done)."""
+    times = [[] for _ in prompts]
+    generation = Generation(model, prompts, max(new_tokens), temperature=0)
+    for rows, _ in generation:
         now = time.perf_counter()
-        for row, n in enumerate(new_tokens):
-            if row not in finished:
-                times[row].append(now)
-                if step + 1 == n:
-                    finished.add(row)
+        for row in rows:
+            times[row].append(now)
+            if len(times[row]) == new_tokens[row]:
+                generation.finish(row)
     return times
 
 
@@ -97,7 +103,7 @@ def run_static(model, requests, batch, per_token):
         times = timed_stream(model, [p for _, p, _ in group], [n for _, _, n in group])
         records += [(t0 + a, ts) for (a, _, _), ts in zip(group, times)]
     # KVCache preallocates every row of a batch to the full context
-    return summary(records, t0, min(batch, len(requests)) * model.config.block_size * per_token)
+    return summary(records, t0, min(batch, len(requests)) * model.config.context_len * per_token)
 
 
 def new_engine(model, tokenizer, args):
@@ -207,8 +213,8 @@ class CountingTokenizer:
 def prefix_hit_ttft(model, tokenizer, args, prefix_len=200, suffix_len=8, reps=3):
     """Time to first token of a prompt whose prefix_len-token prefix is cached, against
     the same-length prompt with nothing cached (medians of reps)."""
-    block_size = model.config.block_size
-    prefix_len = min(prefix_len, block_size - suffix_len)
+    context_len = model.config.context_len
+    prefix_len = min(prefix_len, context_len - suffix_len)
     g = torch.Generator().manual_seed(args.seed + 1)
     vocab = tokenizer.n_vocab
     engine = new_engine(model, tokenizer, args)
@@ -241,7 +247,7 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
     # the serving engine's pool size, so that the kernel timed is the graph compiled for
     # it (the pool's size is a constant of the graph), unless it has no room for them all
     serving_pool = args.num_blocks or default_num_blocks(
-        model.config, tpb, args.max_batch, model.lm_head.weight.element_size())
+        model.config, tpb, args.max_batch, dtype_name(model.lm_head.weight.dtype))
     engine = Engine(model, tokenizer, num_blocks=max(serving_pool, batch * -(-(context + 1) // tpb)),
                     tokens_per_block=tpb, max_batch=batch)  # room for all: no preemption
     g = torch.Generator().manual_seed(args.seed + 2)
@@ -313,7 +319,7 @@ def print_report(r):
             print(f"{mode}: {h['errors']} errors{leaked}"
                   + (f" (first error: {h['first_error']})" if h["errors"] else ""))
     if "pool_bytes" in r:
-        print(f"(all at full context: {r['running_peak']} requests x {r['block_size']} positions = "
+        print(f"(all at full context: {r['running_peak']} requests x {r['context_len']} positions = "
               f"{r['full_context_kv_bytes'] / 2**20:.1f} MiB; the engine's pool: "
               f"{r['pool_bytes'] / 2**20:.1f} MiB, "
               + ", ".join(f"{m} {r['modes'][m]['preemptions']} preemptions"
@@ -343,7 +349,7 @@ def plot(r, path, plt):
     fig.tight_layout()
     # the Software text chunk marks the PNG as ours (cli.check_output_path)
     write_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110,
-                                                   metadata={"Software": f"{MARK} serving.bench"}))
+                                                   metadata={"Software": f"{MARK} benchmarks.serving"}))
 
 
 def length_range(text):
@@ -362,9 +368,9 @@ def main():
                    "instead of the checkpoint (gpt2: GPT-2 small)")
     p.add_argument("--requests", type=positive_int, default=64, help="default: 64")
     p.add_argument("--prompt-len", type=length_range, default=None,
-                   help="prompt tokens, LOW-HIGH (default: 8 to block_size/2)")
+                   help="prompt tokens, LOW-HIGH (default: 8 to context_len/2)")
     p.add_argument("--output-len", type=length_range, default=None,
-                   help="new tokens per request, LOW-HIGH or N (default: 8 to block_size/2)")
+                   help="new tokens per request, LOW-HIGH or N (default: 8 to context_len/2)")
     p.add_argument("--rate", type=float, default=0.0,
                    help="Poisson arrivals, requests per second (default: 0, all at once)")
     p.add_argument("--modes", help=f"default: {','.join(MODES)}")
@@ -407,29 +413,29 @@ def main():
     else:
         model, tokenizer, _ = load_from_args(KVCacheGPT, args)
         name = args.ckpt or args.hf or "the default checkpoint"
-    block_size = model.config.block_size
+    context_len = model.config.context_len
     if args.quick:
         args.requests = min(args.requests, 16)
         args.prompt_len = args.prompt_len or (4, 32)
         args.output_len = args.output_len or (4, 32)
-    args.prompt_len = args.prompt_len or (8, block_size // 2)
-    args.output_len = args.output_len or (8, block_size // 2)
-    requests = workload(args, tokenizer.n_vocab, block_size)
+    args.prompt_len = args.prompt_len or (8, context_len // 2)
+    args.output_len = args.output_len or (8, context_len // 2)
+    requests = workload(args, tokenizer.n_vocab, context_len)
     if "http" in modes or args.url:
         try:
             import aiohttp  # noqa: F401
         except ImportError:
             raise UserError("the load test needs aiohttp: pip install -r requirements.txt") from None
 
-    per_token = model.new_cache(1).nbytes() // block_size
+    per_token = model.new_cache(1).nbytes() // context_len
     running_peak = min(args.max_batch, len(requests))
     r = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-         "torch": torch.__version__, "model": name, "block_size": block_size,
+         "torch": torch.__version__, "model": name, "context_len": context_len,
          "workload": {"requests": args.requests, "prompt_len": "-".join(map(str, args.prompt_len)),
                       "output_len": "-".join(map(str, args.output_len)), "rate": args.rate,
                       "max_batch": args.max_batch, "seed": args.seed,
                       "engine_thread": args.engine_thread},
-         "running_peak": running_peak, "full_context_kv_bytes": running_peak * block_size * per_token,
+         "running_peak": running_peak, "full_context_kv_bytes": running_peak * context_len * per_token,
          "modes": {}}
     if args.url:
         r["url"] = args.url
@@ -449,14 +455,14 @@ def main():
     r["prefix"] = prefix_hit_ttft(model, tokenizer, args)
     lengths = [len(prompt) + n for _, prompt, n in requests]
     r["gather"] = gather_cost(model, tokenizer, args, running_peak,
-                              min(block_size - 1, int(statistics.mean(lengths))))
+                              min(context_len - 1, int(statistics.mean(lengths))))
     report(r, json_path, plot_path, plt)
 
 
 def report(r, json_path, plot_path, plt):
     print_report(r)
     if json_path:
-        write_atomically(json_path, json_text(r, generator="serving.bench", indent=1))
+        write_atomically(json_path, json_text(r, generator="benchmarks.serving", indent=1))
     if plot_path:
         plot(r, plot_path, plt)
 

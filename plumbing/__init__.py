@@ -1,0 +1,13 @@
+"""
+The plumbing around the lesson: what the commands need and the lesson's modules
+(base_model, kv_cache, sample) never import.
+
+    script.py       begin() before the slow imports, run(main) around main(), UserError:
+                    a user's mistake is one line on stderr and exit status 2
+    cli.py          the model flags every command shares, and loading what they name
+    checkpoint.py   reading our checkpoints and nanoGPT's, data only (weights_only=True)
+    hf.py           reading a Hugging Face directory (and the helpers export_hf.py shares)
+    validation.py   what every file, config, tokenizer and size must satisfy first
+    outputs.py      files we write: checked before the work, written atomically, ours only
+    text_stream.py  tokens to text, one at a time, and stop strings
+"""
