@@ -9,6 +9,7 @@ reuses the keys and values of past tokens instead of recomputing them.
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -27,6 +28,7 @@ class GPTConfig:
     n_embd: int = 256
     dropout: float = 0.0
     bias: bool = True         # biases in Linear and LayerNorm, as in GPT-2
+    family: ClassVar[str] = "gpt"  # llama.LlamaConfig's is "llama": checkpoints record which
 
     def __post_init__(self):
         if self.n_embd % self.n_head != 0:
@@ -105,7 +107,40 @@ class Block(nn.Module):
         return x
 
 
-class GPT(nn.Module):
+class NaiveGeneration:
+    """The naive loop, for any model whose forward(idx, last_only=True) gives the last
+    position's logits and whose config has a context_len: GPT below, and llama.Llama."""
+
+    @torch.inference_mode()
+    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+               generator=None, vocab_limit=None, stats=None):
+        """Yield the next token of every row, (B, 1), one step at a time.
+
+        The naive loop: each step feeds the whole context (cropped to context_len) through
+        every block, recomputing keys and values it computed last step. vocab_limit, the
+        tokenizer's size, keeps padding rows of a larger embedding table from being sampled.
+        stats (generation/loop.py's GenerationStats), when given, counts the forward passes
+        and the positions they processed: O(T^2) here."""
+        for _ in range(max_new_tokens):
+            idx_cond = idx[:, -self.config.context_len:]
+            logits, _ = self(idx_cond, last_only=True)
+            if stats is not None:
+                stats.count_pass(idx_cond.size(1))
+            next_token = sample(logits[:, -1, :vocab_limit], temperature, top_k, top_p, generator)
+            idx = torch.cat((idx, next_token), dim=1)
+            yield next_token
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+                 generator=None, vocab_limit=None, stats=None):
+        """Return idx (B, T) with max_new_tokens sampled tokens appended: (B, T + max_new_tokens).
+        (kv_cache's cached models' generate is the same call, through the cache.)"""
+        new_tokens = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator,
+                                      vocab_limit, stats))
+        return torch.cat([idx, *new_tokens], dim=1)
+
+
+class GPT(NaiveGeneration, nn.Module):
     # kv_cache.KVCacheGPT swaps in an attention that reads a cache; its parameters are these
     Attention = CausalSelfAttention
 
@@ -169,34 +204,6 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1),
                                    ignore_index=-1)
         return logits, loss
-
-    @torch.inference_mode()
-    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-               generator=None, vocab_limit=None, stats=None):
-        """Yield the next token of every row, (B, 1), one step at a time.
-
-        The naive loop: each step feeds the whole context (cropped to context_len) through
-        every block, recomputing keys and values it computed last step. vocab_limit, the
-        tokenizer's size, keeps padding rows of a larger embedding table from being sampled.
-        stats (generation/loop.py's GenerationStats), when given, counts the forward passes
-        and the positions they processed: O(T^2) here."""
-        for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.config.context_len:]
-            logits, _ = self(idx_cond, last_only=True)
-            if stats is not None:
-                stats.count_pass(idx_cond.size(1))
-            next_token = sample(logits[:, -1, :vocab_limit], temperature, top_k, top_p, generator)
-            idx = torch.cat((idx, next_token), dim=1)
-            yield next_token
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                 generator=None, vocab_limit=None, stats=None):
-        """Return idx (B, T) with max_new_tokens sampled tokens appended: (B, T + max_new_tokens).
-        (kv_cache.KVCacheGPT.generate is the same call, through the cache.)"""
-        new_tokens = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator,
-                                      vocab_limit, stats))
-        return torch.cat([idx, *new_tokens], dim=1)
 
 
 # ---------------------------------------------------------------------------- before decoding

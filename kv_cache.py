@@ -1,16 +1,21 @@
 """
-The same GPT as base_model.py, with one change to forward(): it takes and returns the
-keys and values of past tokens, so generation feeds only the newest token per step.
+The same models as base_model.py and llama.py, with one change to forward(): it takes
+and returns the keys and values of past tokens, so generation feeds only the newest token
+per step.
 
 Keys and values of past tokens never change (attention is causal), so they are computed
 once and kept. Two things must then respect the cache:
-  1. positions: a new token sits at absolute position past_len, not 0;
+  1. positions: a new token sits at absolute position past_len, not 0 (GPT-2: a row of
+     the position table; Llama: the rotary angle of past_len);
   2. the causal mask: new queries sit at global rows past_len .. past_len+T-1.
-The parameters are untouched, so any base_model.GPT checkpoint loads here unchanged.
+The parameters are untouched, so any base_model.GPT (llama.Llama) checkpoint loads into
+KVCacheGPT (KVCacheLlama) unchanged.
 
 Read it in this order: the caches (what `cache.update` does), then KVCacheGPT.forward (the
-change). The loop that generates with them is generation/loop.py. Run `python kv_cache.py`
-for the demo: parity with a full forward, speed with and without the cache, its size.
+change), then KVCacheLlama.forward (the same change for rotary positions and grouped-query
+attention). The loop that generates with them is generation/loop.py. Run
+`python kv_cache.py` for the demo: parity with a full forward, speed with and without the
+cache, its size (`--ckpt checkpoints/shakespeare-llama/ckpt.pt`: what fewer heads save).
 """
 
 import time
@@ -20,6 +25,7 @@ import torch.nn.functional as F
 
 from base_model import GPT, CausalSelfAttention
 from generation.loop import GenerationStats, generate_tokens, synchronize
+from llama import Llama, LlamaAttention, rotate
 from kv_quant import cache_bytes, cache_formula, dtype_name, storage_format
 
 
@@ -36,7 +42,10 @@ from kv_quant import cache_bytes, cache_formula, dtype_name, storage_format
 #                                                left (batches of prompts of different lengths)
 #     cache.attend(layer, q, k, v, mask)         update(), then attention over what it returns
 #   GenerationCache   what the generation loop needs too: nbytes(), and moves on rows and
-#                     columns (select_rows, drop_oldest, write_rows, empty_like)
+#                     columns (select_rows, drop_oldest, write_rows, empty_like; for the
+#                     sinks policy forget_column and map_keys)
+# A cache stores n_kv_head heads (config.n_kv_head): every head for GPT-2, fewer for a model
+# with grouped-query attention, whose query heads share them.
 # The serving engine's paged cache (serving/paged_cache.py) and the compiled step's view of
 # the buffer (generation/compiled_step.py) are Caches; ConcatCache and KVCache below are
 # GenerationCaches.
@@ -49,12 +58,15 @@ class Cache:
         raise NotImplementedError
 
     def attend(self, layer, q, k, v, mask):
-        """Attention of the new queries q over the cache and the new keys and values:
-        (B, nh, T, hd). The cache step, then SDPA over everything it returns. (A cache
-        that can read its keys where they lie, without assembling them, overrides this:
-        serving/paged_cache.py.)"""
-        k, v = self.update(layer, k, v)   # (B, nh, past_len + T, hd): the past, reused
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        """Attention of the new queries q (B, nh, T, hd) over the cache and the new keys and
+        values (B, n_kv_head, T, hd): (B, nh, T, hd). The cache step, then SDPA over
+        everything it returns. (A cache that can read its keys where they lie, without
+        assembling them, overrides this: serving/paged_cache.py.)"""
+        k, v = self.update(layer, k, v)   # (B, n_kv_head, past_len + T, hd): the past, reused
+        # fewer key/value heads than query heads (grouped-query attention): SDPA lets each
+        # group of n_head / n_kv_head query heads read one stored head, without copying it
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              enable_gqa=k.size(1) != q.size(1))
 
 
 class GenerationCache(Cache):
@@ -85,6 +97,22 @@ class GenerationCache(Cache):
         """Copy the columns of `other` (a cache with len(rows) rows) into rows `rows`,
         starting at `column`."""
         raise NotImplementedError
+
+    def forget_column(self, column):
+        """Forget one column of every row, row b's column[b] (LongTensor (B,)); the
+        columns right of it move one left. A row that forgets a padding column has one
+        less of padding."""
+        raise NotImplementedError
+
+    def map_keys(self, start, fn):
+        """Replace the keys of columns start.. of every layer, k (B, nh, length - start, hd),
+        by fn(k) (the sinks policy turns them to the positions they have moved to)."""
+        raise NotImplementedError
+
+    def _forget_pad(self, column):
+        """Keep `pad` in step with forget_column."""
+        if self.pad is not None:
+            self._move_pad(pad=self.pad - (column < self.pad).long())
 
     def _move_pad(self, index=None, dropped=0, pad=None):
         """Keep `pad` in step with select_rows and drop_oldest."""
@@ -144,6 +172,18 @@ class ConcatCache(GenerationCache):
         for (k, v), (ok, ov) in zip(self.layers, other.layers):
             k[rows, :, column:column + other.length] = ok
             v[rows, :, column:column + other.length] = ov
+
+    def forget_column(self, column):
+        kept = columns_kept(column, self.length)                           # (B, length - 1)
+        B, nh, _, hd = self.layers[0][0].shape
+        index = kept[:, None, :, None].expand(B, nh, -1, hd)
+        self.layers = [(k.gather(2, index), v.gather(2, index)) for k, v in self.layers]
+        self.length -= 1
+        self._forget_pad(column)
+
+    def map_keys(self, start, fn):
+        self.layers = [(torch.cat([k[:, :, :start], fn(k[:, :, start:])], dim=2), v)
+                       for k, v in self.layers]
 
 
 class KVCache(GenerationCache):
@@ -213,6 +253,27 @@ class KVCache(GenerationCache):
     def write_rows(self, rows, other, column):
         self.kv[:, :, rows, :, column:column + other.length] = other.kv[..., :other.length, :]
 
+    def forget_column(self, column):
+        kept = columns_kept(column, self.length)                           # (B, length - 1)
+        n_layer, _, B, nh, _, width = self.kv.shape
+        index = kept[None, None, :, None, :, None].expand(n_layer, 2, B, nh, -1, width)
+        # gather first (a new tensor), then write back: source and target overlap
+        self.kv[..., :self.length - 1, :] = self.kv[..., :self.length, :].gather(4, index)
+        self.length -= 1
+        self._forget_pad(column)
+
+    def map_keys(self, start, fn):
+        for layer_kv in self.kv:                       # (2, B, nh, max_len, width)
+            keys = layer_kv[0, :, :, start:self.length]
+            keys.copy_(self.format.encode(fn(self.format.decode(keys))))
+
+
+def columns_kept(column, length):
+    """(B, length - 1): for each column a row keeps, the column it comes from, when row b
+    forgets column[b] of `length`."""
+    kept = torch.arange(length - 1, device=column.device)
+    return kept + (kept >= column[:, None])
+
 
 def as_cache(past_kv, n_layer):
     """The seed's list of per-layer (k, v) (or None: nothing cached yet) as a ConcatCache;
@@ -221,64 +282,20 @@ def as_cache(past_kv, n_layer):
         return past_kv
     if past_kv is not None and not isinstance(past_kv, (list, tuple)):
         raise TypeError(
-            f"KVCacheGPT.forward(idx, past_kv): past_kv is a cache (a list of per-layer (k, v) "
-            f"or a Cache), got {type(past_kv).__name__}; to train with targets call "
-            "base_model.GPT.forward(model, idx, targets): the parameters are the same")
+            f"forward(idx, past_kv): past_kv is a cache (a list of per-layer (k, v) or a Cache), "
+            f"got {type(past_kv).__name__}; to train with targets call the naive model's "
+            "forward, base_model.GPT.forward(model, idx, targets) (llama.Llama.forward for a "
+            "Llama): the parameters are the same")
     return ConcatCache(n_layer, past_kv)
 
 
 # ---------------------------------------------------------------------------- the model
 
-class CachedSelfAttention(CausalSelfAttention):
-    """base_model's attention (same parameters), reading and extending a cache. Called
-    without one (GPT.forward on this model, e.g. for training), it is base_model's."""
-
-    def forward(self, x, cache=None, layer=None, mask=None):
-        if cache is None:
-            return super().forward(x)
-        q, k, v = self.qkv(x)                   # (B, nh, T, hd) each, for the T new tokens
-        y = cache.attend(layer, q, k, v, mask)  # cache.update(layer, k, v), then SDPA
-        return self.project_out(y)
-
-
-class KVCacheGPT(GPT):
-    Attention = CachedSelfAttention
-
-    def forward(self, idx, past_kv=None, last_only=False):
-        """idx (B, T) are the new tokens; past_kv is None, the seed's list of per-layer
-        (k, v), or a Cache. Returns logits (B, T, V) and the cache, extended by these T
-        positions: the same Cache object, or for the seed's list form a ConcatCache, which
-        reads as that list (cache[layer] is the layer's (k, v)). last_only=True computes
-        logits for the last position only (B, 1, V): all that generation needs, and it
-        spares a (T x vocab) matmul when prefilling a prompt.
-
-        GPT.forward, plus the three things marked (1) (2) (3)."""
-        cache = as_cache(past_kv, self.config.n_layer)
-        past_len, T = cache.length, idx.size(1)
-        # (1) positions offset by the cache: the new tokens sit at past_len .. past_len+T-1
-        x = self.embed(idx, past_len, cache.pad)
-        # (3) which cached and new keys each new query may see
-        mask = self.attention_mask(past_len, T, cache.pad, idx.device)
-        for layer, block in enumerate(self.transformer.h):
-            # (2) the cache update happens inside attention: CachedSelfAttention.forward
-            x = block(x, cache=cache, layer=layer, mask=mask)
-        logits = self.head(x[:, -1:] if last_only else x)
-        return logits, cache
-
-    def embed(self, idx, start_pos=0, pad=None):
-        """Token plus position embeddings for the columns start_pos.. of idx (B, T).
-
-        With left padding (batches of prompts of different lengths), row b's first real
-        token sits at column pad[b] but must get position 0: GPT-2's positions are learned
-        and absolute, so a row that used the column as its position would be read as if its
-        text started pad[b] tokens later, and the model would write different text."""
-        if pad is None:
-            return super().embed(idx, start_pos)
-        self.check_context(start_pos + idx.size(1))  # columns: a row's positions are fewer
-        columns = torch.arange(start_pos, start_pos + idx.size(1), device=idx.device)
-        # (B, T); padding columns would be negative: any valid row will do, nothing reads them
-        positions = (columns - pad[:, None]).clamp(min=0)
-        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
+class CachedModel:
+    """What the two cached models share: (3) the mask of the new queries, a new cache, and
+    generate() through the loop. Each model's forward (KVCacheGPT's, KVCacheLlama's) makes
+    the three changes; embed_at and blocks are what the compiled decode step
+    (generation/compiled_step.py) calls instead, with its positions in a tensor."""
 
     @staticmethod
     def attention_mask(past_len, T, pad, device):
@@ -319,12 +336,140 @@ class KVCacheGPT(GPT):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                  generator=None, vocab_limit=None, **loop_args):
-        """GPT.generate, through the cache: idx (B, T) -> (B, T + max_new_tokens). The loop
-        is generation/loop.py's; loop_args are its options (cache_kind, compile, stats)."""
+        """The naive model's generate, through the cache: idx (B, T) -> (B, T + max_new_tokens).
+        The loop is generation/loop.py's; loop_args are its options (cache_kind, compile,
+        stats, context_policy)."""
         new_tokens = generate_tokens(self, idx, max_new_tokens, temperature=temperature,
                                      top_k=top_k, top_p=top_p, generator=generator,
                                      vocab_limit=vocab_limit, **loop_args)
         return torch.cat([idx, new_tokens], dim=1)
+
+
+class CachedSelfAttention(CausalSelfAttention):
+    """base_model's attention (same parameters), reading and extending a cache. Called
+    without one (GPT.forward on this model, e.g. for training), it is base_model's."""
+
+    def forward(self, x, cache=None, layer=None, mask=None):
+        if cache is None:
+            return super().forward(x)
+        q, k, v = self.qkv(x)                   # (B, nh, T, hd) each, for the T new tokens
+        y = cache.attend(layer, q, k, v, mask)  # cache.update(layer, k, v), then SDPA
+        return self.project_out(y)
+
+
+class KVCacheGPT(CachedModel, GPT):
+    Attention = CachedSelfAttention
+
+    def forward(self, idx, past_kv=None, last_only=False):
+        """idx (B, T) are the new tokens; past_kv is None, the seed's list of per-layer
+        (k, v), or a Cache. Returns logits (B, T, V) and the cache, extended by these T
+        positions: the same Cache object, or for the seed's list form a ConcatCache, which
+        reads as that list (cache[layer] is the layer's (k, v)). last_only=True computes
+        logits for the last position only (B, 1, V): all that generation needs, and it
+        spares a (T x vocab) matmul when prefilling a prompt.
+
+        GPT.forward, plus the three things marked (1) (2) (3)."""
+        cache = as_cache(past_kv, self.config.n_layer)
+        past_len, T = cache.length, idx.size(1)
+        # (1) positions offset by the cache: the new tokens sit at past_len .. past_len+T-1
+        x = self.embed(idx, past_len, cache.pad)
+        # (3) which cached and new keys each new query may see
+        mask = self.attention_mask(past_len, T, cache.pad, idx.device)
+        for layer, block in enumerate(self.transformer.h):
+            # (2) the cache update happens inside attention: CachedSelfAttention.forward
+            x = block(x, cache=cache, layer=layer, mask=mask)
+        logits = self.head(x[:, -1:] if last_only else x)
+        return logits, cache
+
+    def embed(self, idx, start_pos=0, pad=None):
+        """Token plus position embeddings for the columns start_pos.. of idx (B, T).
+
+        With left padding (batches of prompts of different lengths), row b's first real
+        token sits at column pad[b] but must get position 0: GPT-2's positions are learned
+        and absolute, so a row that used the column as its position would be read as if its
+        text started pad[b] tokens later, and the model would write different text."""
+        if pad is None:
+            return super().embed(idx, start_pos)
+        self.check_context(start_pos + idx.size(1))  # columns: a row's positions are fewer
+        columns = torch.arange(start_pos, start_pos + idx.size(1), device=idx.device)
+        # (B, T); padding columns would be negative: any valid row will do, nothing reads them
+        positions = (columns - pad[:, None]).clamp(min=0)
+        return self.embed_at(idx, positions)[0]
+
+    def embed_at(self, idx, positions):
+        """The first block's input for idx (B, T) at positions (B, T), and what every block
+        takes besides (nothing: GPT-2's positions are in the input)."""
+        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions)), {}
+
+    @property
+    def blocks(self):
+        return self.transformer.h
+
+
+class CachedLlamaAttention(LlamaAttention):
+    """llama's attention (same parameters), reading and extending a cache."""
+
+    def forward(self, x, rope, cache=None, layer=None, mask=None):
+        if cache is None:
+            return super().forward(x, rope)
+        # q (B, nh, T, hd); k, v (B, n_kv_head, T, hd): the keys already rotated to their
+        # positions, so the cache stores them rotated and never touches them again
+        q, k, v = self.qkv(x, rope)
+        y = cache.attend(layer, q, k, v, mask)  # cache.update(layer, k, v), then SDPA (GQA)
+        return self.project_out(y)
+
+
+class KVCacheLlama(CachedModel, Llama):
+    """llama.Llama with the same three changes: (1) the rotary angles of positions past_len..,
+    (2) the cache update inside attention, keys after rotation, n_kv_head heads, (3) the
+    same mask."""
+    Attention = CachedLlamaAttention
+
+    def forward(self, idx, past_kv=None, last_only=False):
+        """KVCacheGPT.forward's contract, for llama.Llama: Llama.forward plus (1) (2) (3)."""
+        cache = as_cache(past_kv, self.config.n_layer)
+        past_len, T = cache.length, idx.size(1)
+        # (1) positions offset by the cache: the new tokens are rotated by the angles of
+        #     positions past_len .. past_len+T-1 (each row's own, with left padding)
+        rope = self.rotary(self.positions(past_len, T, cache.pad, idx.device))
+        # (3) which cached and new keys each new query may see: the same mask as GPT-2's
+        mask = self.attention_mask(past_len, T, cache.pad, idx.device)
+        x = self.model.embed_tokens(idx)
+        for layer, block in enumerate(self.model.layers):
+            # (2) the cache update happens inside attention: CachedLlamaAttention.forward
+            x = block(x, rope, cache=cache, layer=layer, mask=mask)
+        logits = self.head(x[:, -1:] if last_only else x)
+        return logits, cache
+
+    def positions(self, start_pos, T, pad, device):
+        """The positions of columns start_pos .. start_pos+T-1: (T,), or with left padding
+        (B, T), each row's columns minus its padding. Rotary positions are relative (q . k
+        sees only the distance), so a batch without padding would do as well with columns;
+        with padding a row's distances are the same either way too, but its angles would
+        differ from the ones it gets alone, and so would its rounding."""
+        self.check_context(start_pos + T)
+        columns = torch.arange(start_pos, start_pos + T, device=device)
+        if pad is None:
+            return columns
+        return (columns - pad[:, None]).clamp(min=0)  # padding columns: any angle, nothing reads them
+
+    def embed_at(self, idx, positions):
+        """The first block's input for idx (B, T), and what every block takes besides: the
+        rotary angles of positions (B, T)."""
+        return self.model.embed_tokens(idx), {"rope": self.rotary(positions)}
+
+    @property
+    def blocks(self):
+        return self.model.layers
+
+    def move_keys(self, cache, start, shift):
+        """Move the cached keys of columns start.. of row b `shift[b]` positions earlier
+        (shift: LongTensor (B,)). A rotated key's position is an angle, and rotations add
+        up: turning it by -shift x inv_freq makes it the key it would have been there. What
+        the sinks policy does (generation/loop.py), so that positions stay those of the
+        cache's columns; GPT-2's learned positions have no such move."""
+        cos, sin = self.rotary(-shift[:, None])       # (B, 1, 1, hd/2): one angle per row
+        cache.map_keys(start, lambda k: rotate(k, cos, sin))
 
 
 # ---------------------------------------------------------------------------- the demo

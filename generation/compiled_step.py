@@ -37,7 +37,7 @@ class StaticStep:
     buffer, so no shape depends on how much has been cached."""
 
     def __init__(self, kv, length):
-        self.kv, self.length = kv, length  # (n_layer, 2, B, nh, max_len, hd); (1,) LongTensor
+        self.kv, self.length = kv, length  # (n_layer, 2, B, n_kv_head, max_len, hd); (1,) LongTensor
         B, nh = kv.size(2), kv.size(3)
         # index tensors broadcasting to (2, B, nh, 1): k and v, every row and head, one column
         self.k_or_v = torch.arange(2, device=kv.device).view(2, 1, 1, 1)
@@ -45,39 +45,45 @@ class StaticStep:
         self.heads = torch.arange(nh, device=kv.device).view(1, 1, nh, 1)
 
     def attend(self, layer, q, k, v, mask):
-        # k, v: (B, nh, 1, hd), written at column `length` of this layer. One index_put_ on
+        # q (B, nh, 1, hd); k, v: (B, n_kv_head, 1, hd), written at column `length` of this layer. One index_put_ on
         # the whole buffer, not a write into the view kv[layer]: torch.compile turns a write
         # into a view of its input into a copy of the whole buffer (every layer, every step:
         # 3x slower than eager), while a write into the input itself stays in place.
         layer_index = torch.full((1, 1, 1, 1), layer, device=k.device)
         self.kv.index_put_((layer_index, self.k_or_v, self.rows, self.heads, self.length),
                            torch.stack([k, v]))  # (2, B, nh, 1, hd)
-        k_all, v_all = self.kv[layer, 0], self.kv[layer, 1]  # (B, nh, max_len, hd): every column
+        k_all, v_all = self.kv[layer, 0], self.kv[layer, 1]  # (B, n_kv_head, max_len, hd): every column
         # Attention written out instead of SDPA: for one query, torch.compile fuses these
         # into its own loops, while SDPA's CPU kernel is a separate call costing more than its
-        # arithmetic (a large share of a bundled step). Unwritten columns masked.
-        scores = (q @ k_all.transpose(-2, -1)) * q.size(-1) ** -0.5          # (B, nh, 1, max_len)
+        # arithmetic (a large share of a bundled step). Unwritten columns masked. With
+        # grouped-query attention the query heads sharing a key/value head are its rows:
+        # q as (B, n_kv_head, group, hd), one matmul per stored head, nothing copied.
+        B, nh, _, hd = q.shape
+        q = q.view(B, k_all.size(1), nh // k_all.size(1), hd)                # (B, n_kv_head, group, hd)
+        scores = (q @ k_all.transpose(-2, -1)) * hd ** -0.5                  # (B, n_kv_head, group, max_len)
         weights = scores.masked_fill(~mask, float("-inf")).float().softmax(-1).to(q.dtype)
-        return weights @ v_all                                                # (B, nh, 1, hd)
+        return (weights @ v_all).view(B, nh, 1, hd)
 
 
 def decode_step(model, token, kv, length, pad):
     """Logits (B, V) for token (B, 1) at column `length` ((1,) LongTensor) of the cache
     buffer kv; pad (B,): left-padding columns per row (zeros when there is none).
 
-    KVCacheGPT.forward, with its three cache-dependent parts written with tensors:"""
+    The cached model's forward (KVCacheGPT's or KVCacheLlama's), with its three
+    cache-dependent parts written with tensors:"""
     max_len = kv.size(4)
-    # (1) positions: each row's column minus its padding, looked up by tensor
+    # (1) positions: each row's column minus its padding, as a tensor (a table row for
+    #     GPT-2, rotary angles for Llama: the model's embed_at)
     positions = (length - pad)[:, None]                                   # (B, 1)
-    x = model.transformer.wte(token) + model.transformer.wpe(positions)   # (B, 1, C)
+    x, block_args = model.embed_at(token, positions)                      # (B, 1, C)
     # (3) the mask: keys written so far (this step's included), none in a row's padding
     columns = torch.arange(max_len, device=kv.device)
     visible = (columns <= length) & (columns >= pad[:, None])             # (B, max_len)
     mask = visible[:, None, None, :]                                      # (B, 1, 1, max_len)
     cache = StaticStep(kv, length)
-    for layer, block in enumerate(model.transformer.h):
+    for layer, block in enumerate(model.blocks):
         # (2) the cache update, inside attention, as in the eager model
-        x = block(x, cache=cache, layer=layer, mask=mask)
+        x = block(x, **block_args, cache=cache, layer=layer, mask=mask)
     return model.head(x)[:, -1]
 
 

@@ -12,12 +12,16 @@ Its phases have names:
     prefill     the prompts in one pass (left-padded to a common length), each prompt once
                 however many samples it has
     decode_one  one new token per row through the cache
-    reprefill   past the context: rows whose context is full keep their newest half and
-                compute it again at positions 0..
+    past the context, one of two policies (context_policy):
+    reprefill   rows whose context is full keep their newest half and compute it again at
+                positions 0.. (any model)
+    evict       "sinks" (StreamingLLM): rows whose context is full forget one token, the
+                oldest after the first few (the sinks), and the rest move down a position
+                by a rotation of their cached keys: no recomputation (rotary models only)
 and between them sample.py picks each row's token from its logits.
 
-The model is any KVCacheGPT (kv_cache.py): the loop calls model(tokens, cache) and
-model.new_cache(), nothing else of it.
+The model is either cached model of kv_cache.py (KVCacheGPT, KVCacheLlama): the loop calls
+model(tokens, cache) and model.new_cache(), and for the sinks policy model.move_keys().
 """
 
 import time
@@ -26,7 +30,11 @@ from dataclasses import dataclass
 import torch
 
 from generation import compiled_step
+from kv_quant import FLOAT_DTYPES
 from sample import check_sampling_args, sample
+
+CONTEXT_POLICIES = ("reprefill", "sinks")
+DEFAULT_SINKS = 4  # StreamingLLM's: four initial tokens are enough to hold attention's excess
 
 
 @dataclass
@@ -37,6 +45,7 @@ class GenerationStats:
     positions_processed: int = 0   # new tokens fed through the model, summed over passes
     prefill_passes: int = 0        # passes over a prompt (one per generation, however many rows)
     reprefills: int = 0            # times rows were rebuilt past the context (Generation.reprefill)
+    evictions: int = 0             # tokens each full row forgot past the context (Generation.evict)
     prefill_seconds: float = 0.0
     compile_seconds: float = 0.0   # torch.compile of the decode step, timed apart from decoding
     cache_bytes: int = 0           # the most the cache tensors held at once
@@ -65,12 +74,16 @@ class Generation:
     keeps padding rows of a larger embedding table from being sampled. cache_kind: None
     (the preallocated cache in the model's dtype), "cat", or a kv_quant.py dtype name.
     compile: decode through generation/compiled_step.py's static-shape step. stats: a
-    GenerationStats to fill (one is made otherwise: .stats)."""
+    GenerationStats to fill (one is made otherwise: .stats). context_policy: what happens
+    when a row's context is full, "reprefill" or "sinks" (keeping the first `sinks`
+    tokens)."""
 
     def __init__(self, model, prompts, max_new_tokens, *, temperature=1.0, top_k=None,
                  top_p=None, generator=None, num_samples=1, vocab_limit=None, cache_kind=None,
-                 compile=False, stats=None):
+                 compile=False, stats=None, context_policy="reprefill", sinks=DEFAULT_SINKS):
         check_sampling_args(temperature, top_k, top_p)
+        check_context_policy(model, context_policy, sinks, cache_kind)
+        self.context_policy, self.sinks = context_policy, sinks
         self.model, self.prompts, self.max_new_tokens = model, prompts, max_new_tokens
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         self.num_samples, self.vocab_limit = num_samples, vocab_limit
@@ -109,8 +122,8 @@ class Generation:
                         cache.select_rows(index)
                         history, tokens = history[index], tokens[index]
                         active = [active[i] for i in staying]
-                if cache.length == self.context_len:
-                    self.reprefill(cache, history)
+                if cache.length == self.context_len:  # past the context: make room for one
+                    (self.reprefill if self.context_policy == "reprefill" else self.evict)(cache, history)
                 history[:, cache.length] = tokens
                 logits = self.decode_one(tokens[:, None], cache)
         finally:  # also when the caller stops early (a stop string, end of text)
@@ -190,6 +203,46 @@ class Generation:
             self.run_pass(history[rows, new_length - (keep - 1):new_length], fresh)
             cache.write_rows(rows, fresh, new_length - (keep - 1))
         self.stats.reprefills += 1
+
+    def evict(self, cache, history):
+        """The cache is full: make room for one more, the sinks policy's way (StreamingLLM).
+
+        A row whose context is full forgets one token: the oldest after its first `sinks`
+        tokens, which stay for good. Attention puts its excess weight on the first tokens
+        whatever they say (they are the ones every query has seen), so dropping them wrecks
+        the text, and keeping a few is enough. The tokens after the forgotten one move down
+        one position, so that positions stay those of the cache's columns, below
+        context_len: their keys are turned back by one position's angle (model.move_keys),
+        nothing is computed again. Learned positions cannot be moved like that: only rotary
+        models take this policy.
+
+        With left padding a row that is not full forgets one of its padding columns
+        instead, as it would forget nothing alone; its positions do not change."""
+        pad = cache.pad if cache.pad is not None else torch.zeros_like(history[:, 0])
+        column = torch.where(pad > 0, 0, self.sinks)   # (R,): the column each row forgets
+        kept = torch.arange(cache.length - 1, device=history.device)
+        kept = kept + (kept >= column[:, None])         # (R, length - 1): history moves with the cache
+        history[:, :cache.length - 1] = history[:, :cache.length].gather(1, kept)
+        cache.forget_column(column)
+        self.model.move_keys(cache, self.sinks, (pad == 0).long())  # only full rows' tokens moved
+        self.stats.evictions += 1
+
+
+def check_context_policy(model, policy, sinks, cache_kind):
+    """ValueError (one line) for a policy this model or cache cannot take."""
+    if policy not in CONTEXT_POLICIES:
+        raise ValueError(f"unknown context policy {policy!r}; one of {', '.join(CONTEXT_POLICIES)}")
+    if policy == "sinks":
+        if not hasattr(model, "move_keys"):
+            raise ValueError("the sinks policy needs rotary positions (a Llama-family model): "
+                             "this model's positions are learned, and a cached key cannot move "
+                             "to another one; use reprefill")
+        if cache_kind not in (None, "cat", *FLOAT_DTYPES):
+            raise ValueError(f"the sinks policy turns every cached key once per step, and a "
+                             f"{cache_kind} cache would round it again each time; use a float cache")
+        if not 0 <= sinks < model.config.context_len - 1:
+            raise ValueError(f"sinks must be in 0..{model.config.context_len - 2} "
+                             f"(the context is {model.config.context_len}), got {sinks}")
 
 
 def generate_tokens(model, prompts, max_new_tokens, **options):

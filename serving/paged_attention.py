@@ -26,18 +26,23 @@ import torch
 
 
 def decode_attention(q, k_pool, v_pool, slots, visible):
-    """q (B, nh, 1, hd): each sequence's new query; k_pool, v_pool (pool slots, nh, hd):
-    one layer of the pool; slots (B, S): the pool slot of each column of each sequence;
-    visible (B, S): False where a column is padding. Returns (B, nh, 1, hd)."""
-    hd = q.size(-1)
-    q = q[:, :, 0].float()                                          # (B, nh, hd)
-    keys = k_pool[slots].float()                                    # (B, S, nh, hd), fused
-    scores = (q[:, None] * keys).sum(-1) / hd ** 0.5                # (B, S, nh)
-    scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
+    """q (B, nh, 1, hd): each sequence's new query; k_pool, v_pool (pool slots, n_kv_head,
+    hd): one layer of the pool; slots (B, S): the pool slot of each column of each sequence;
+    visible (B, S): False where a column is padding. Returns (B, nh, 1, hd).
+
+    With grouped-query attention (n_kv_head < nh) the query heads that share a stored head
+    are read as a group: q as (B, n_kv_head, group, hd), each stored key used group times
+    where it lies."""
+    B, nh, _, hd = q.shape
+    n_kv_head = k_pool.size(1)
+    q = q.view(B, n_kv_head, nh // n_kv_head, hd).float()          # (B, kv, group, hd)
+    keys = k_pool[slots].float()                                    # (B, S, kv, hd), fused
+    scores = (q[:, None] * keys[:, :, :, None]).sum(-1) / hd ** 0.5  # (B, S, kv, group)
+    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
     p = scores.softmax(dim=1)                                       # over the columns
-    values = v_pool[slots].float()                                  # (B, S, nh, hd), fused
-    out = (p[..., None] * values).sum(dim=1)                        # (B, nh, hd)
-    return out[:, :, None].to(v_pool.dtype)
+    values = v_pool[slots].float()                                  # (B, S, kv, hd), fused
+    out = (p[..., None] * values[:, :, :, None]).sum(dim=1)         # (B, kv, group, hd)
+    return out.reshape(B, nh, 1, hd).to(v_pool.dtype)
 
 
 _compiled = None  # decode_attention compiled, once per process

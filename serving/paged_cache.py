@@ -21,8 +21,8 @@ Prefix caching: a full block is known by a hash of its tokens *and every token b
 it*, so two sequences that begin with the same 32 tokens find the same two blocks and the
 second one computes nothing for them. Only prefixes from position 0 can be shared: GPT-2's
 positions are learned and absolute, so a key computed for a token at position 40 is not
-the key of the same token at position 8 (a rotary model could not share a shifted
-prefix either; ours cannot even in principle). Blocks are reference-counted; one that
+the key of the same token at position 8; a rotary model's is not either (it is rotated by
+its position's angle, and what came before it differs too). Blocks are reference-counted; one that
 no sequence uses goes back to the free list *with its contents and hash*, so a later
 request can still hit it, and it is overwritten (evicted) only when the free list comes
 round to it, least recently freed first.
@@ -42,9 +42,10 @@ NULL_BLOCK = 0  # never given to a sequence: padding columns read it, dropped wr
 class BlockPool:
     """The preallocated blocks, the free list, reference counts and the prefix index.
 
-    kv: (n_layer, 2, (num_blocks + 1) * tokens_per_block, nh, hd); block b's positions are
-    slots b * tokens_per_block .. (b + 1) * tokens_per_block - 1. Laid out by slot, then
-    head, so that gathering a sequence's positions copies whole rows of nh * hd values."""
+    kv: (n_layer, 2, (num_blocks + 1) * tokens_per_block, n_kv_head, hd); block b's positions
+    are slots b * tokens_per_block .. (b + 1) * tokens_per_block - 1. Laid out by slot, then
+    head, so that gathering a sequence's positions copies whole rows of n_kv_head * hd values.
+    n_kv_head: the heads the model caches (all of GPT-2's; fewer with grouped-query attention)."""
 
     def __init__(self, config, num_blocks, tokens_per_block=16, device=None, dtype=torch.float32):
         if num_blocks * tokens_per_block < config.context_len:
@@ -54,7 +55,7 @@ class BlockPool:
         slots = (num_blocks + 1) * tokens_per_block  # + the null block
         # zeros, not empty: padding columns are masked, but a masked NaN key or value would
         # still poison softmax(...) @ v, so every slot must hold a finite number from the start
-        self.kv = torch.zeros(config.n_layer, 2, slots, config.n_head, config.head_dim,
+        self.kv = torch.zeros(config.n_layer, 2, slots, config.n_kv_head, config.head_dim,
                               device=device, dtype=dtype)
         self.ref_count = [0] * (num_blocks + 1)
         self.block_hash = [None] * (num_blocks + 1)   # a full block's prefix hash, or None
@@ -178,7 +179,8 @@ class PagedCache(Cache):
         self.pad, self.length, self.kernel = pad, length, kernel
 
     def write(self, layer, k, v):
-        """Store the new columns k, v (B, nh, T, hd) in their slots; the layer's (2, slots, nh, hd)."""
+        """Store the new columns k, v (B, n_kv_head, T, hd) in their slots; the layer's
+        (2, slots, n_kv_head, hd)."""
         B, nh, T, hd = k.shape
         kv = self.pool.kv[layer]
         new = torch.stack((k, v)).transpose(2, 3).reshape(2, B * T, nh, hd)
@@ -189,7 +191,7 @@ class PagedCache(Cache):
         kv = self.write(layer, k, v)
         B, S = self.read_slots.shape
         both = kv.index_select(1, self.read_slots.flatten()).view(2, B, S, *kv.shape[2:])
-        both = both.transpose(2, 3)                                        # (2, B, nh, S, hd)
+        both = both.transpose(2, 3)                                        # (2, B, n_kv_head, S, hd)
         return both[0], both[1]
 
     def attend(self, layer, q, k, v, mask):
