@@ -32,7 +32,7 @@ from benchmarks.kv_dtypes import kv_dtype_latency, quantized_peer  # noqa: E402
 from benchmarks.peers import llama_cpp_missing, transformers_table  # noqa: E402
 from benchmarks.report import plot, print_report  # noqa: E402
 from benchmarks.weight_formats import kernel_timings  # noqa: E402
-from kv_cache import KVCacheGPT  # noqa: E402
+from kv_cache import CACHED_MODELS  # noqa: E402
 from plumbing.checkpoint import ROOT  # noqa: E402
 from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
 from plumbing.outputs import check_output_path, import_pyplot, json_text, write_atomically  # noqa: E402
@@ -127,7 +127,7 @@ def fp32_checkpoint(args, model):
         return model
     fp32_args = argparse.Namespace(**{**vars(args), "dtype": "float32", "quantize": "none",
                                       "group_size": None})
-    return load_from_args(KVCacheGPT, fp32_args)[0]
+    return load_from_args(CACHED_MODELS, fp32_args)[0]
 
 
 def decode_speed_section(args, model, shape_model, floor, device):
@@ -163,7 +163,7 @@ def main():
         check_output_path(args.plot, "png")
         plt = import_pyplot()
 
-    model, tokenizer, device = load_from_args(KVCacheGPT, args)
+    model, tokenizer, device = load_from_args(CACHED_MODELS, args)
     reps, shape = args.reps, f"{args.shape} shape"
     shape_model = random_model(args.shape, device)  # random weights, shared by the sections
     r = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",

@@ -30,8 +30,8 @@ if __name__ == "__main__":  # run as a command; importing this file changes noth
 
 import numpy as np  # noqa: E402
 
-from base_model import GPT  # noqa: E402
 from export_hf import gpt2_state_dict, gpt2_tokenizer_files  # noqa: E402
+from plumbing.checkpoint import NAIVE_MODELS  # noqa: E402
 from plumbing.cli import ArgumentParser, load_source  # noqa: E402
 from plumbing.outputs import MARK, check_output_path, write_atomically  # noqa: E402
 
@@ -170,7 +170,7 @@ def export(source, out, outtype="f32", hf=False, report=print):
     # MARK): a slip of the hand (`export_gguf.py ckpt.pt`) can never destroy a checkpoint
     out = check_output_path(out, "gguf")
     import_gguf()  # a missing package is reported before the model is loaded
-    model, tokenizer = load_source(GPT, None if hf else source, source if hf else None,
+    model, tokenizer = load_source(NAIVE_MODELS, None if hf else source, source if hf else None,
                                    report=report)
     counts = Counter()  # filled by the writer: a temporary file beside OUT, renamed over it
     write_atomically(out, lambda tmp: counts.update(write_gguf(tmp, model, tokenizer, outtype, out.stem)))

@@ -22,8 +22,7 @@ if __name__ == "__main__":  # run as a command; importing this file changes noth
 
 import torch  # noqa: E402
 
-from base_model import GPT  # noqa: E402
-from plumbing.checkpoint import load_model  # noqa: E402
+from plumbing.checkpoint import NAIVE_MODELS, load_model  # noqa: E402
 from plumbing.cli import ArgumentParser  # noqa: E402
 from plumbing.hf import GPT2_PATTERNS, byte_to_char, swap_conv1d  # noqa: E402
 from plumbing.outputs import check_output_path, new_directory  # noqa: E402
@@ -136,7 +135,7 @@ def export(ckpt, out_dir, report=print, use_safetensors=None):
     appears only complete: the files are written into a temporary folder beside it, which
     is renamed at the end (cli.new_directory), so a failure leaves nothing behind."""
     out_dir = check_output_path(out_dir, "dir")
-    model, tokenizer = load_model(GPT, ckpt, report=report)
+    model, tokenizer = load_model(NAIVE_MODELS, ckpt, report=report)
     eot = tokenizer._special_tokens.get("<|endoftext|>")
     with new_directory(out_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config(model.config, eot), indent=2))

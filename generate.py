@@ -31,13 +31,13 @@ if __name__ == "__main__":  # run as a command; importing this file changes noth
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from base_model import GPT  # noqa: E402
 from generation.loop import Generation, GenerationStats  # noqa: E402
-from kv_cache import KVCacheGPT  # noqa: E402
+from kv_cache import CACHED_MODELS  # noqa: E402
 from kv_quant import KV_DTYPES, cache_formula, dtype_name  # noqa: E402
+from plumbing.checkpoint import NAIVE_MODELS  # noqa: E402
 from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
 from plumbing.outputs import json_text  # noqa: E402
-from plumbing.text_stream import SampleText  # noqa: E402
+from plumbing.text_stream import SampleText, prompt_tokens  # noqa: E402
 from plumbing.validation import check_fits_in_memory, generation_memory, max_text_bytes  # noqa: E402
 from sample import check_sampling_args  # noqa: E402
 
@@ -201,8 +201,9 @@ def parse_prompts_file(text, path):
 
 
 def encode_prompt(text, tokenizer, context_len):
-    """Token ids of the prompt; an empty one starts from the end-of-text token."""
-    ids = tokenizer.encode_ordinary(text) or [tokenizer.eot_token]
+    """Token ids of the prompt (text_stream.prompt_tokens: an empty one starts from the
+    end-of-text token, a Llama tokenizer's begin with its BOS)."""
+    ids = prompt_tokens(tokenizer, text)
     if len(ids) > context_len:
         print(f"note: the prompt has {len(ids)} tokens and the context {context_len}; "
               f"keeping its last {context_len}", file=sys.stderr)
@@ -397,7 +398,7 @@ def main():
         if args.no_cache and len(prompts) > 1:
             raise UserError("--no-cache generates one prompt at a time (the naive loop has no "
                             "padding); pass a single prompt, or drop --no-cache")
-    model, tokenizer, device = load_from_args(GPT if args.no_cache else KVCacheGPT, args)
+    model, tokenizer, device = load_from_args(NAIVE_MODELS if args.no_cache else CACHED_MODELS, args)
     if args.kv_dtype:
         try:  # a quantized cache needs a head size it can pack
             model.new_cache(1, args.kv_dtype)

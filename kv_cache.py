@@ -472,6 +472,10 @@ class KVCacheLlama(CachedModel, Llama):
         cache.map_keys(start, lambda k: rotate(k, cos, sin))
 
 
+# family -> the cached class, for the loaders (plumbing's NAIVE_MODELS are the naive ones)
+CACHED_MODELS = {"gpt": KVCacheGPT, "llama": KVCacheLlama}
+
+
 # ---------------------------------------------------------------------------- the demo
 
 def incremental_logits(model, idx, chunk, kind):
@@ -497,8 +501,10 @@ def timed_generate(model, idx, n, vocab_limit, **loop_args):
 def main():
     # the command-line layer, for the demo only: importing this module never loads it
     from kv_quant import KV_DTYPES
+    from plumbing.checkpoint import NAIVE_MODELS
     from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int, prepare_for_generation
     from plumbing.script import UserError
+    from plumbing.text_stream import prompt_tokens
 
     parser = ArgumentParser(description="KV-cache demo: parity with a full forward, "
                             "speed with and without the cache, the cache's size, a batch.")
@@ -510,7 +516,7 @@ def main():
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, help="also store the cache as this "
                         "dtype (int8, int4: quantized; kv_quant.py) and use it in parts 2-4")
     args = parser.parse_args()
-    model, tokenizer, device = load_from_args(KVCacheGPT, args)
+    model, tokenizer, device = load_from_args(CACHED_MODELS, args)
     kv = {"cache_kind": args.kv_dtype} if args.kv_dtype else {}  # the loop's, or its default
     try:
         model.new_cache(1, args.kv_dtype)
@@ -520,7 +526,7 @@ def main():
 
     # Weight compatibility: the naive model takes the cached model's state dict as it is,
     # and the same weight layout, so that the speed comparison measures only the cache.
-    naive = GPT(config).to(device=device, dtype=model.lm_head.weight.dtype).eval()
+    naive = NAIVE_MODELS[config.family](config).to(device=device, dtype=model.lm_head.weight.dtype).eval()
     naive.load_state_dict(model.state_dict(), strict=True)
     prepare_for_generation(naive, args)
 
@@ -546,14 +552,15 @@ def main():
     print(f"\n2. Speed: {args.tokens} new tokens, greedy, batch 1, {device.type}"
           + (f", {args.quantize} weights (both loops)" if args.quantize != "none" else "")
           + (f", {args.kv_dtype} cache" if kv else ""))
-    prompt = torch.tensor([tokenizer.encode("ROMEO:\n")], device=device)
+    prompt = torch.tensor([prompt_tokens(tokenizer, "ROMEO:\n")], device=device)
     n_vocab = tokenizer.n_vocab
     timed_generate(model, prompt, 8, n_vocab, **kv)  # warm-up: first calls pay for allocation
     timed_generate(naive, prompt, 8, n_vocab)
     cached_out, cached_tps = timed_generate(model, prompt, args.tokens, n_vocab, **kv)
     naive_out, naive_tps = timed_generate(naive, prompt, args.tokens, n_vocab)
-    print(f"   without cache (base_model.GPT.generate): {naive_tps:8.1f} tokens/s")
-    print(f"   with cache    (KVCacheGPT.generate)    : {cached_tps:8.1f} tokens/s")
+    naive_name = f"{type(naive).__module__}.{type(naive).__name__}.generate"  # base_model.GPT.generate
+    print(f"   without cache ({naive_name}): {naive_tps:8.1f} tokens/s")
+    print(f"   with cache    ({type(model).__name__ + '.generate':{len(naive_name)}s}): {cached_tps:8.1f} tokens/s")
     why = "float ties in argmax" + (f", or the {args.kv_dtype} cache's rounding" if kv else "")
     print(f"   speedup: {cached_tps / naive_tps:.2f}x; same tokens: "
           f"{'yes' if torch.equal(cached_out, naive_out) else f'no ({why})'}")
@@ -576,6 +583,11 @@ def main():
     print(f"   preallocated for L = context_len = {config.context_len}: formula "
           f"{cache_bytes(config, config.context_len, 1, weights):,} B, "
           f"tensors hold {model.new_cache(1).nbytes():,} B")
+    if config.n_kv_head != config.n_head:  # grouped-query attention: the formula's N_kv_heads
+        every_head = cache_bytes(config, config.context_len, 1, weights) * config.n_head // config.n_kv_head
+        print(f"   grouped-query attention: {config.n_head} query heads share {config.n_kv_head} "
+              f"key/value head{'s' if config.n_kv_head > 1 else ''}; one per query head would "
+              f"hold {every_head:,} B, {config.n_head // config.n_kv_head}x as much")
     if kv:  # codes and their scales: kv_quant.py
         formula, text = cache_formula(config, config.context_len, 1, args.kv_dtype)
         print(f"   {args.kv_dtype}: {text} = {formula:,} B, "
@@ -583,7 +595,7 @@ def main():
 
     print("\n4. A batch of different prompts: left-padded, positions from 0 in every row")
     texts = ["ROMEO:", "JULIET:\nO Romeo, Romeo!", "KING HENRY:\nOnce more unto the breach"]
-    prompts = [tokenizer.encode_ordinary(t) for t in texts]
+    prompts = [prompt_tokens(tokenizer, t) for t in texts]
     n = min(40, args.tokens)
     batch = generate_tokens(model, prompts, n, temperature=0, vocab_limit=n_vocab, **kv)
     alone = [generate_tokens(model, [p], n, temperature=0, vocab_limit=n_vocab, **kv)[0] for p in prompts]

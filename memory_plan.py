@@ -25,10 +25,9 @@ from plumbing.script import begin, run
 if __name__ == "__main__":  # run as a command; importing this file changes nothing
     begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
 
-from base_model import GPT  # noqa: E402
 from kv_quant import KV_DTYPES, head_bytes  # noqa: E402
 from kv_quant import cache_bytes as formula_bytes  # noqa: E402
-from plumbing.checkpoint import BUNDLED, default_checkpoint  # noqa: E402
+from plumbing.checkpoint import BUNDLED, NAIVE_MODELS, default_checkpoint  # noqa: E402
 from plumbing.cli import ArgumentParser, load_source, positive_int  # noqa: E402
 from plumbing.outputs import import_pyplot  # noqa: E402
 
@@ -86,7 +85,7 @@ NAMED = [
 
 def checkpoint_shape(args):
     """The Shape of the model that --ckpt/--hf (or the default chain) names."""
-    model, _ = load_source(GPT, args.ckpt, args.hf)
+    model, _ = load_source(NAIVE_MODELS, args.ckpt, args.hf)
     c = model.config
     path = Path(args.hf or args.ckpt or default_checkpoint())
     name = "bundled model" if path.resolve() == BUNDLED else path.name

@@ -18,7 +18,7 @@ from plumbing.script import UserError, begin, run
 if __name__ == "__main__":  # run as a command; importing this file changes nothing
     begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
 
-from kv_cache import KVCacheGPT  # noqa: E402
+from kv_cache import CACHED_MODELS  # noqa: E402
 from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def main():
     from serving.engine import Engine
     from serving.server import BackgroundServer
 
-    model, tokenizer, _ = load_from_args(KVCacheGPT, args)
+    model, tokenizer, _ = load_from_args(CACHED_MODELS, args)
     try:
         engine = Engine(model, tokenizer, num_blocks=args.num_blocks,
                         tokens_per_block=args.tokens_per_block, max_batch=args.max_batch,

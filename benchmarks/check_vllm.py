@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from export_hf import export  # noqa: E402
 from generation.loop import generate_tokens  # noqa: E402
-from kv_cache import KVCacheGPT  # noqa: E402
+from kv_cache import CACHED_MODELS  # noqa: E402
 from plumbing.checkpoint import load_model  # noqa: E402
 from plumbing.cli import ArgumentParser, positive_int  # noqa: E402
 
@@ -102,7 +102,7 @@ def main():
     vllm = import_vllm()  # before any work: most environments do not have it
     out = Path(args.out or tempfile.mkdtemp(prefix="hf-export-"))
     export(args.ckpt, out, report=lambda line: print(line, file=sys.stderr))
-    model, tokenizer = load_model(KVCacheGPT, args.ckpt, report=lambda line: None)
+    model, tokenizer = load_model(CACHED_MODELS, args.ckpt, report=lambda line: None)
     prompts = [tokenizer.encode_ordinary(t) or [tokenizer.eot_token] for t in args.prompt or PROMPTS]
     expected = ours(model, tokenizer, prompts, args.tokens)
     llm = load_vllm(vllm, out)

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from benchmarks.timing import repeat, spread  # noqa: E402
 from generation.loop import generate_tokens, synchronize  # noqa: E402
-from kv_cache import KVCacheGPT  # noqa: E402
+from kv_cache import CACHED_MODELS  # noqa: E402
 from kv_quant import (INT4_GROUP_SIZE, KV_DTYPES, cache_bytes, dequantize, group_size,  # noqa: E402
                       head_bytes, head_bytes_text, quantize)
 from plumbing.checkpoint import ROOT  # noqa: E402
@@ -173,7 +173,7 @@ def main():
         text = Path(args.text).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"--text {args.text}: cannot read it as UTF-8 text ({e})") from None
-    model, tokenizer, device = load_from_args(KVCacheGPT, args)
+    model, tokenizer, device = load_from_args(CACHED_MODELS, args)
     c, ids = model.config, torch.tensor(tokenizer.encode_ordinary(text), device=device)
     if ids.numel() < 2 * c.context_len:
         raise UserError(f"--text {args.text}: needs at least {2 * c.context_len} tokens, has {ids.numel()}")

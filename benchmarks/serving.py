@@ -43,7 +43,7 @@ from base_model import GPTConfig, store_linears_column_major  # noqa: E402
 from benchmarks.load_test import LoadTestError, load_test, load_test_summary, summary  # noqa: E402
 from benchmarks.timing import repeat, timed  # noqa: E402
 from generation.loop import Generation  # noqa: E402
-from kv_cache import KVCache, KVCacheGPT  # noqa: E402
+from kv_cache import CACHED_MODELS, KVCache, KVCacheGPT  # noqa: E402
 from kv_quant import dtype_name  # noqa: E402
 from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
 from plumbing.outputs import MARK, check_output_path, import_pyplot, json_text, write_atomically  # noqa: E402
@@ -411,7 +411,7 @@ def main():
         name = f"{args.shape} shape (random weights)"
         tokenizer = CountingTokenizer(model.config.vocab_size)
     else:
-        model, tokenizer, _ = load_from_args(KVCacheGPT, args)
+        model, tokenizer, _ = load_from_args(CACHED_MODELS, args)
         name = args.ckpt or args.hf or "the default checkpoint"
     context_len = model.config.context_len
     if args.quick:

@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the repo root: base_model, checkpoint, ...
 sys.path.insert(0, str(HERE))         # corpus.py, tokenizer.py
 from base_model import GPT, GPTConfig  # noqa: E402
-from plumbing.checkpoint import load_model, save_checkpoint  # noqa: E402
+from plumbing.checkpoint import NAIVE_MODELS, load_model, save_checkpoint  # noqa: E402
 from corpus import build_corpus  # noqa: E402
 from tokenizer import EOT, check_roundtrip, encoding, train_tokenizer  # noqa: E402
 
@@ -173,7 +173,7 @@ def main():
                 heldout_plays=["Macbeth", "The Tempest"], heldout_chars=n_chars,
                 heldout_tokens=len(heldout_data), seed=seed)
     save_checkpoint(path, model, spec, dtype=torch.float16, **meta)
-    loaded, _ = load_model(GPT, path)
+    loaded, _ = load_model(NAIVE_MODELS, path)
     nats, bpc = evaluate(loaded, heldout_data, n_chars, fast=False)
     wall = time.time() - t_start
     save_checkpoint(path, loaded, spec, dtype=torch.float16, **meta, heldout_nats_per_token=round(nats, 4),

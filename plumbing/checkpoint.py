@@ -7,6 +7,9 @@ which refuses pickles that would construct arbitrary objects. Accepted layouts:
   - a bare state dict, with the config inferred from the tensor shapes.
 A checkpoint may carry its tokenizer ('tokenizer': tiktoken ranks, or an encoding name);
 one that says nothing is taken to use GPT-2's encoding, as nanoGPT-style checkpoints do.
+Its config says the model's family ('family': "gpt", the default, or "llama"); the caller
+says which class builds each family (NAIVE_MODELS here, kv_cache.CACHED_MODELS), so that
+nothing here imports kv_cache.py, whose demo imports this.
 Every file, config, tokenizer and tensor is checked by validation.py before a model is
 built from it; build_model is the one place a model is built, for plumbing/hf.py too.
 """
@@ -18,16 +21,20 @@ from pathlib import Path
 
 import torch
 
+from base_model import GPT
+from llama import Llama
 from plumbing.validation import (SHAPE_FIELDS, CheckpointError, check_archive_fits, check_file_fits,
                         check_input_file, check_layer_count, check_tokenizer_fits, check_values,
                         check_weights, check_tensors, config_from_dict, encoding_from_spec,
-                        layer_indices)
+                        layer_indices, EMBEDDING)
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 BUNDLED = ROOT / "checkpoints" / "shakespeare" / "ckpt.pt"
 # The seed's lookup order when no checkpoint is named: a learner's own, then the bundled one.
 DEFAULT_CHAIN = [ROOT / "checkpoints" / "ckpt_sft.pt", ROOT / "checkpoints" / "ckpt_base.pt", BUNDLED]
-BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal masks some GPT code saves
+# causal masks some GPT code saves; the rotary frequencies older Llama files save
+BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+NAIVE_MODELS = {"gpt": GPT, "llama": Llama}  # family -> the class that builds it, naive loop
 
 
 def default_checkpoint():
@@ -103,7 +110,12 @@ def clean_state_dict(state_dict):
 
 def infer_config(state_dict, path):
     """A GPTConfig from tensor shapes. n_head cannot be seen in shapes: GPT-2's 64-wide
-    heads are assumed."""
+    heads are assumed. A Llama-family state dict is refused: its heads, key/value heads and
+    rotary base are not in the shapes either, and guessing them would compute nonsense."""
+    if "model.embed_tokens.weight" in state_dict:
+        raise CheckpointError(f"{path}: a Llama-family state dict without its config (heads, "
+                              "key/value heads, rope_theta cannot be seen in the shapes); save it "
+                              "with its config (plumbing.checkpoint.save_checkpoint)")
     for key in ("transformer.wte.weight", "transformer.wpe.weight"):
         if key not in state_dict:
             raise CheckpointError(f"{path}: missing key {key}, cannot infer the model's shape")
@@ -129,22 +141,39 @@ def make_config(config_dict, state_dict, path):
 
 # ---------------------------------------------------------------------------- loading
 
-def build_model(cls, config, state_dict, tokenizer, source):
-    """`cls` (GPT or KVCacheGPT) holding state_dict, once everything about it is checked:
+def build_model(classes, config, state_dict, tokenizer, source):
+    """The model of config's family, built by classes[family] (NAIVE_MODELS, or
+    kv_cache.CACHED_MODELS) and holding state_dict, once everything about it is checked:
     the tokenizer fits the vocabulary, the weights are finite, and (before the model's n
     layers are constructed) the layers are there; then every key and shape. Both loaders
     come through here, so that no script can skip a check."""
+    if config.family not in classes:
+        raise CheckpointError(f"{source}: a {config.family}-family model, which this command does "
+                              f"not run (it runs {', '.join(classes)})")
     check_tokenizer_fits(tokenizer, config, source)
     check_layer_count(state_dict, config, source)
     check_values(state_dict, source)
-    model = cls(config)
-    check_weights(state_dict, model.state_dict(), source)
+    state_dict = tie_output_layer(state_dict, config)
+    model = classes[config.family](config)
+    check_weights(state_dict, model.state_dict(), source, config)
     model.load_state_dict(state_dict, strict=True)  # copies into the model's fp32 parameters
     return model
 
 
-def load_model(cls, path=None, device="cpu", dtype=torch.float32, report=print):
-    """Build `cls` (GPT or KVCacheGPT) from a checkpoint; returns (model, tokenizer).
+def tie_output_layer(state_dict, config):
+    """A tied output layer is often saved once, as the embedding (safetensors refuses one
+    tensor twice): give lm_head its tensor back. Only when the config ties them: an untied
+    model without its lm_head is a missing key."""
+    tied = config.family == "gpt" or config.tie_embeddings
+    embedding = EMBEDDING[config.family]
+    if tied and "lm_head.weight" not in state_dict and embedding in state_dict:
+        return {**state_dict, "lm_head.weight": state_dict[embedding]}
+    return state_dict
+
+
+def load_model(classes, path=None, device="cpu", dtype=torch.float32, report=print):
+    """Build a model from a checkpoint, with classes[family] (NAIVE_MODELS, or
+    kv_cache.CACHED_MODELS); returns (model, tokenizer).
 
     With no path (None), the default chain is used; an empty string is refused. The weights
     are loaded in fp32 and then cast to dtype. `report` receives the one line that says
@@ -154,14 +183,15 @@ def load_model(cls, path=None, device="cpu", dtype=torch.float32, report=print):
     state_dict = clean_state_dict(state_dict)
     config = make_config(config_dict, state_dict, path)
     tokenizer = encoding_from_spec(tokenizer_spec, path)
-    model = build_model(cls, config, state_dict, tokenizer, path)
+    model = build_model(classes, config, state_dict, tokenizer, path)
     report(f"loaded {path} ({describe(model)}, tokenizer {tokenizer.name}, {tokenizer.n_vocab} tokens)")
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
 def describe(model):
     c = model.config
-    return (f"{model.num_params() / 1e6:.2f}M params, {c.n_layer} layers, {c.n_head} heads, "
+    kv_heads = f" ({c.n_kv_head} key/value)" if c.n_kv_head != c.n_head else ""
+    return (f"{model.num_params() / 1e6:.2f}M params, {c.n_layer} layers, {c.n_head} heads{kv_heads}, "
             f"{c.n_embd} dims, context {c.context_len}")
 
 
@@ -169,10 +199,13 @@ def save_checkpoint(path, model, tokenizer_spec=None, dtype=None, **extra):
     """Write {'model', 'config', 'tokenizer', ...extra}: plain data that weights_only loads.
     dtype (e.g. torch.float16) shrinks the file; load_model brings it back to fp32."""
     state_dict = model.state_dict()
-    del state_dict["lm_head.weight"]  # tied to wte: saving it twice would double a cast file
+    c = model.config
+    if c.family == "gpt" or c.tie_embeddings:
+        del state_dict["lm_head.weight"]  # tied: saving it twice would double a cast file
     if dtype is not None:
         state_dict = {k: v.to(dtype) for k, v in state_dict.items()}
-    obj = {"model": state_dict, "config": dataclasses.asdict(model.config), **extra}
+    config = {"family": c.family, **dataclasses.asdict(c)}
+    obj = {"model": state_dict, "config": config, **extra}
     if tokenizer_spec is not None:
         obj["tokenizer"] = tokenizer_spec
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -48,8 +48,9 @@ def add_model_args(parser):
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--ckpt", help="checkpoint file (default: checkpoints/ckpt_sft.pt, "
                         "then checkpoints/ckpt_base.pt, then the bundled Shakespeare model)")
-    source.add_argument("--hf", metavar="DIR", help="a local Hugging Face GPT-2 directory "
-                        "(config.json and model.safetensors or pytorch_model.bin)")
+    source.add_argument("--hf", metavar="DIR", help="a local Hugging Face directory of GPT-2, "
+                        "Llama, Mistral, Qwen2 or Qwen3 (config.json, model.safetensors or "
+                        "pytorch_model.bin or their shards, the tokenizer's files)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
                         help="auto picks cuda, then mps, then cpu (default: auto)")
     parser.add_argument("--dtype", default="float32", choices=list(FLOAT_DTYPES),
@@ -84,28 +85,30 @@ def pick_dtype(name, device):
     return dtype
 
 
-def load_from_args(cls, args):
+def load_from_args(classes, args):
     """(model, tokenizer, device) for the --ckpt/--hf/--device/--dtype/--quantize flags;
-    seeds torch."""
+    seeds torch. classes: family -> the class that builds it (checkpoint.NAIVE_MODELS,
+    kv_cache.CACHED_MODELS)."""
     if args.group_size and args.quantize != "int4":
         raise UserError("--group-size applies to --quantize int4 only")
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     torch.manual_seed(args.seed)
-    model, tokenizer = load_source(cls, args.ckpt, args.hf, device, dtype)
+    model, tokenizer = load_source(classes, args.ckpt, args.hf, device, dtype)
     return prepare_for_generation(model, args), tokenizer, device
 
 
-def load_source(cls, ckpt=None, hf=None, device="cpu", dtype=torch.float32, report=None):
-    """`cls` from a checkpoint file (None: the default chain) or, when hf is given, a Hugging
-    Face directory: (model, tokenizer). The one place a command chooses between the two
-    loaders; report(line) receives the line saying what was loaded (default: stderr)."""
+def load_source(classes, ckpt=None, hf=None, device="cpu", dtype=torch.float32, report=None):
+    """A model (classes[family]) from a checkpoint file (None: the default chain) or, when hf
+    is given, a Hugging Face directory: (model, tokenizer). The one place a command chooses
+    between the two loaders; report(line) receives the line saying what was loaded
+    (default: stderr)."""
     if report is None:
         def report(line):
             print(line, file=sys.stderr)
     if hf is not None:  # "" is refused by the loader, not taken for "no --hf"
-        return load_hf_model(cls, hf, device=device, dtype=dtype, report=report)
-    return load_model(cls, ckpt, device=device, dtype=dtype, report=report)
+        return load_hf_model(classes, hf, device=device, dtype=dtype, report=report)
+    return load_model(classes, ckpt, device=device, dtype=dtype, report=report)
 
 
 def prepare_for_generation(model, args):

@@ -1,6 +1,10 @@
 """
-Hugging Face GPT-2 -> our GPT: load a local GPT-2 directory (`--hf DIR` in every script).
+Hugging Face directories -> our models (`--hf DIR` in every script): GPT-2 here, and the
+Llama family (Llama, Mistral, Qwen2, Qwen3) through plumbing/hf_llama.py. The weights are
+read here for both: model.safetensors, pytorch_model.bin, or either one sharded (an
+*.index.json naming the file of each tensor).
 
+GPT-2:
 Our model is GPT-2's architecture under GPT-2's own parameter names, so a GPT-2 checkpoint
 needs no conversion of the mathematics, only of how three things are stored:
   1. HF's attention and MLP layers are `Conv1D`, which keeps its weight as (in, out);
@@ -14,14 +18,15 @@ Nothing here imports transformers; safetensors only when a .safetensors file is 
 export_hf.py goes the other way with the same helpers.
 """
 
-import json
 from pathlib import Path
 
 import torch
 
 from plumbing.checkpoint import build_model, clean_state_dict, describe, read_checkpoint, split_checkpoint
+from plumbing.hf_llama import LLAMA_MODEL_TYPES, llama_config, llama_tokenizer
 from plumbing.validation import (EOT, PYTHON_OBJECTS_PER_FILE_BYTE, CheckpointError, build_encoding,
-                        check_file_fits, check_tensors, config_from_dict, named_encoding, short_repr)
+                        check_file_fits, check_tensors, config_from_dict, named_encoding, read_json,
+                        short_repr)
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Both are GELU's tanh approximation, which is what base_model.MLP computes.
@@ -61,31 +66,25 @@ def byte_to_char():
 
 # ---------------------------------------------------------------------------- config
 
-def read_json(file, max_bytes=None):
-    """A JSON file's contents, after checking that parsing it fits in memory (and, for a
-    config, that it is not far larger than any config is)."""
-    size = file.stat().st_size
-    if max_bytes is not None and size > max_bytes:
-        raise CheckpointError(f"{file}: {size:,} bytes, too large for a {file.name} "
-                              f"(at most {max_bytes:,})")
-    check_file_fits(file, PYTHON_OBJECTS_PER_FILE_BYTE)
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise CheckpointError(f"{file}: not readable JSON ({type(e).__name__})") from None
-
-
 def read_config(path):
-    """GPTConfig from config.json, refusing settings that change the mathematics."""
+    """(config.json as a dict, our config: a GPTConfig or a LlamaConfig), refusing settings
+    that change the mathematics."""
     file = path / "config.json"
     if not file.is_file():
         raise CheckpointError(f"{path}: no config.json, not a Hugging Face model directory")
     hf = read_json(file, CONFIG_JSON_MAX_BYTES)
     if not isinstance(hf, dict):
         raise CheckpointError(f"{file}: holds a {type(hf).__name__}, expected a JSON object")
+    if hf.get("model_type") in LLAMA_MODEL_TYPES:
+        return hf, llama_config(hf, file)
     if hf.get("model_type") != "gpt2":
-        raise CheckpointError(f"{path}: model_type is {short_repr(hf.get('model_type'))}, "
-                              "only 'gpt2' can be loaded")
+        raise CheckpointError(f"{path}: model_type is {short_repr(hf.get('model_type'))}; these can "
+                              f"be loaded: gpt2, {', '.join(LLAMA_MODEL_TYPES)}")
+    return hf, gpt2_config(hf, path, file)
+
+
+def gpt2_config(hf, path, file):
+    """GPTConfig from GPT-2's config.json."""
     fields = {ours: hf[theirs] for ours, theirs in HF_NAMES.items() if theirs in hf}
     config = config_from_dict({**fields, "dropout": 0.0, "bias": True}, file, names=HF_NAMES)
     # (setting is wrong, why): each of these would make our forward compute something else.
@@ -114,31 +113,62 @@ def read_config(path):
 
 # ---------------------------------------------------------------------------- weights
 
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # HF's order of preference
+
+
 def read_weights(path):
-    """The raw state dict from model.safetensors (preferred, as HF does) or pytorch_model.bin."""
-    st_file, bin_file = path / "model.safetensors", path / "pytorch_model.bin"
-    if st_file.is_file():
-        try:
-            from safetensors.torch import load_file  # optional: only this format needs it
-        except ImportError:
-            raise CheckpointError(f"{st_file}: reading .safetensors needs the safetensors package "
-                                  "(pip install safetensors)") from None
-        # safetensors checks that every tensor its header declares lies inside the file,
-        # so the file's size bounds what load_file allocates
-        check_file_fits(st_file)
-        try:
-            state_dict = load_file(st_file)
-        except Exception as e:  # a truncated or foreign file fails in several ways
-            raise CheckpointError(
-                f"{st_file}: not a readable safetensors file ({type(e).__name__})") from None
-        check_tensors(state_dict, st_file)
-        return state_dict
-    if bin_file.is_file():
+    """The raw state dict from model.safetensors (preferred, as HF does) or pytorch_model.bin,
+    or from the shards one of them is split into (model.safetensors.index.json)."""
+    for name in WEIGHT_FILES:
+        if (path / name).is_file():
+            return read_weight_file(path / name)
+        if (path / f"{name}.index.json").is_file():
+            return read_shards(path, path / f"{name}.index.json")
+    raise CheckpointError(f"{path}: no model.safetensors or pytorch_model.bin (or their *.index.json)")
+
+
+def read_shards(path, index_file):
+    """Every shard an index names, merged: {"weight_map": {tensor name: shard file}}. A
+    shard must be a file of this directory (an index is data: it may not point elsewhere)."""
+    index = read_json(index_file)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_file}: no weight_map {{tensor name: shard file}}")
+    shards = sorted(set(weight_map.values()), key=str)
+    bad = next((s for s in shards if not isinstance(s, str) or s in ("", ".", "..") or "/" in s
+                or "\\" in s), None)
+    if bad is not None or not shards:
+        raise CheckpointError(f"{index_file}: shard {short_repr(bad)} is not a file name of this directory")
+    state_dict = {}
+    for shard in shards:
+        if not (path / shard).is_file():
+            raise CheckpointError(f"{index_file}: names shard {shard}, which is not in {path}")
+        state_dict.update(read_weight_file(path / shard))
+    missing = next((k for k in weight_map if k not in state_dict), None)
+    if missing is not None:
+        raise CheckpointError(f"{index_file}: names {missing!r}, which is in none of its shards")
+    return state_dict
+
+
+def read_weight_file(file):
+    """One .safetensors file, or one torch.save file read as data only."""
+    if file.suffix != ".safetensors":
         # torch.load(weights_only=True) with one-line errors, as for our own checkpoints
-        return split_checkpoint(read_checkpoint(bin_file), bin_file)[0]
-    if any(path.glob("*.index.json")):
-        raise CheckpointError(f"{path}: sharded weights (*.index.json) are not supported, only one file")
-    raise CheckpointError(f"{path}: no model.safetensors or pytorch_model.bin")
+        return split_checkpoint(read_checkpoint(file), file)[0]
+    try:
+        from safetensors.torch import load_file  # optional: only this format needs it
+    except ImportError:
+        raise CheckpointError(f"{file}: reading .safetensors needs the safetensors package "
+                              "(pip install safetensors)") from None
+    # safetensors checks that every tensor its header declares lies inside the file,
+    # so the file's size bounds what load_file allocates
+    check_file_fits(file)
+    try:
+        state_dict = load_file(file)
+    except Exception as e:  # a truncated or foreign file fails in several ways
+        raise CheckpointError(f"{file}: not a readable safetensors file ({type(e).__name__})") from None
+    check_tensors(state_dict, file)
+    return state_dict
 
 
 def to_our_state_dict(hf_state_dict):
@@ -271,21 +301,24 @@ def tokenizer_from_files(path):
 
 # ---------------------------------------------------------------------------- loading
 
-def load_hf_model(cls, path, device="cpu", dtype=torch.float32, report=print):
-    """Build `cls` (GPT or KVCacheGPT) from a Hugging Face GPT-2 directory: (model, tokenizer).
-    Same contract and the same checks as checkpoint.load_model: fp32 load, then cast; one
-    line to `report`."""
+def load_hf_model(classes, path, device="cpu", dtype=torch.float32, report=print):
+    """Build a model from a Hugging Face directory, with classes[family] (checkpoint.NAIVE_MODELS,
+    or kv_cache.CACHED_MODELS): (model, tokenizer). Same contract and the same checks as
+    checkpoint.load_model: fp32 load, then cast; one line to `report`."""
     if str(path) == "":
         raise CheckpointError("empty path given for --hf (an unset shell variable?)")
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}; "
                               "--hf expects a Hugging Face GPT-2 directory (config.json + weights)")
-    config = read_config(path)
-    state_dict = to_our_state_dict(read_weights(path))
-    # without its own tokenizer files a GPT-2 directory uses GPT-2's: tiktoken's 'gpt2'
-    tokenizer = tokenizer_from_files(path) or named_encoding("gpt2", path)
-    model = build_model(cls, config, state_dict, tokenizer, path)
-    report(f"loaded Hugging Face GPT-2 {path} ({describe(model)}, "
+    hf, config = read_config(path)
+    if config.family == "llama":  # our names are theirs: nothing to convert
+        state_dict, tokenizer = clean_state_dict(read_weights(path)), llama_tokenizer(path, hf)
+    else:
+        state_dict = to_our_state_dict(read_weights(path))
+        # without its own tokenizer files a GPT-2 directory uses GPT-2's: tiktoken's 'gpt2'
+        tokenizer = tokenizer_from_files(path) or named_encoding("gpt2", path)
+    model = build_model(classes, config, state_dict, tokenizer, path)
+    report(f"loaded Hugging Face {hf['model_type']} {path} ({describe(model)}, "
            f"tokenizer {tokenizer.name}, {tokenizer.n_vocab} tokens)")
     return model.to(device=device, dtype=dtype).eval(), tokenizer

@@ -1,7 +1,8 @@
 """
 Tokens to text, one token at a time: what a stream of generated tokens looks like to a
 reader. Shared by generate.py (the command) and serving/engine.py (the server's engine), so
-both print the same text and stop at the same place.
+both print the same text and stop at the same place; and the two ends of a text as every
+tokenizer marks them (prompt_tokens, eos_token_ids), tiktoken's and Hugging Face's alike.
 
 Stop strings are found in text that arrives a piece at a time, in time linear in the text.
 Searching the whole tail of the text again at every step costs O(len(stop)) per step, and
@@ -16,6 +17,22 @@ next piece may complete the match.
 import codecs
 
 
+def prompt_tokens(tokenizer, text):
+    """A prompt's token ids as the model expects a text to begin: after the tokenizer's
+    beginning-of-text token when its config adds one (Llama's <s> or <|begin_of_text|>:
+    plumbing/hf_tokenizer.py), and an empty prompt as the end-of-text token alone (how
+    GPT-2 starts a document)."""
+    ids = tokenizer.encode_ordinary(text)
+    bos = getattr(tokenizer, "bos_token_id", None)  # a tiktoken Encoding has none
+    return [bos, *ids] if bos is not None else ids or [tokenizer.eot_token]
+
+
+def eos_token_ids(tokenizer):
+    """Every id that ends a text: a Hugging Face model may name several (Llama 3's instruct
+    models end a turn with any of three); a tiktoken Encoding has its end-of-text token."""
+    return tuple(getattr(tokenizer, "eos_token_ids", None) or (tokenizer.eot_token,))
+
+
 class SampleText:
     """The text of one sample, built token by token.
 
@@ -25,13 +42,14 @@ class SampleText:
     held back too, until it is clear that it is not one."""
 
     def __init__(self, tokenizer, stops, stop_at_eot=True):
-        self.tokenizer, self.stop_at_eot = tokenizer, stop_at_eot
+        self.tokenizer = tokenizer
+        self.stop_ids = set(eos_token_ids(tokenizer)) if stop_at_eot else set()
         self.stops = [StopString(s) for s in stops]  # each reads every new character once
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text, self.tokens, self.done = "", 0, False
 
     def add(self, token):
-        if token == self.tokenizer.eot_token and self.stop_at_eot:
+        if token in self.stop_ids:
             self.done = True
             return
         self.tokens += 1

@@ -4,8 +4,9 @@ through here before anything is built from it, whichever script (or the server) 
 
 After these checks a loader may trust that
   - a file it is about to read is a regular file whose (uncompressed) contents fit in memory;
-  - a model config has every field of the right type and in range, and the model it
-    describes fits in this machine's memory (else the line says what it would cost);
+  - a model config (GPT-2's or a Llama family's) has every field of the right type and in
+    range, and the model it describes fits in this machine's memory (else the line says
+    what it would cost);
   - weights have string keys and hold finite floating-point tensors of the expected shapes;
   - a tokenizer is a tiktoken BPE that can encode any text and decode every id below its
     size: every byte is a token, ranks are unique, ids run 0..n-1 without gaps, an
@@ -13,6 +14,7 @@ After these checks a loader may trust that
 Every failure is one CheckpointError line; nothing here builds a model or runs a pickle.
 """
 
+import json
 import math
 import os
 import re
@@ -27,6 +29,7 @@ import torch
 
 from base_model import GPTConfig
 from kv_quant import cache_bytes
+from llama import ROPE_TYPES, LlamaConfig
 from plumbing.script import UserError
 
 
@@ -103,8 +106,24 @@ def check_fits_in_memory(needed, what, source):
 
 
 def parameter_count(c):
-    """Parameters of base_model.GPT for a config, from the config alone (tests check it
-    against num_params()): per block, ln_1 and ln_2, c_attn (C x 3C), attn c_proj (C x C),
+    """Parameters of the model a config describes (base_model.GPT or llama.Llama), from the
+    config alone (tests check it against num_params())."""
+    return gpt_parameter_count(c) if c.family == "gpt" else llama_parameter_count(c)
+
+
+def llama_parameter_count(c):
+    """llama.Llama: per block, q and o (C x n_head*hd each), k and v (C x n_kv_head*hd
+    each) and their biases with qkv_bias, the SwiGLU's three C x intermediate matrices, two
+    RMSNorm weights of C (and of hd for q and k with qk_norm); the embedding, the output
+    layer unless it is tied, the final RMSNorm."""
+    C, q, kv = c.n_embd, c.n_head * c.head_dim, c.n_kv_head * c.head_dim
+    per_block = (2 * C * q + 2 * C * kv + (q + 2 * kv if c.qkv_bias else 0)
+                 + 3 * C * c.intermediate_size + 2 * C + (2 * c.head_dim if c.qk_norm else 0))
+    return c.vocab_size * C * (1 if c.tie_embeddings else 2) + c.n_layer * per_block + C
+
+
+def gpt_parameter_count(c):
+    """base_model.GPT: per block, ln_1 and ln_2, c_attn (C x 3C), attn c_proj (C x C),
     c_fc (C x 4C), mlp c_proj (4C x C) = 12 C^2 weights, plus 13 C biases (or the 2 C
     LayerNorm weights without biases); wte and wpe; ln_f. lm_head is wte, tied."""
     C = c.n_embd
@@ -115,10 +134,13 @@ def parameter_count(c):
 
 def model_memory(c):
     """(bytes, what) to build and run a model of config c: fp32 weights (the load
-    precision), the module objects, KVCacheGPT's causal mask (context_len^2 bools) and one
-    row's fp32 KV cache over the whole context (kv_quant.cache_bytes)."""
+    precision), the module objects, a whole-context prefill's causal mask (context_len^2
+    bools) and one row's fp32 KV cache over the whole context (kv_quant.cache_bytes).
+    Not the mask for the Llama family: their contexts run to 128k positions (a 16 GB mask),
+    and a pass builds the mask of the tokens it feeds, never the whole context's."""
     weights = 4 * parameter_count(c) + c.n_layer * BYTES_PER_BLOCK_OBJECTS
-    context = c.context_len ** 2 + cache_bytes(c, c.context_len, 1, "float32")
+    mask = c.context_len ** 2 if c.family == "gpt" else 0
+    context = mask + cache_bytes(c, c.context_len, 1, "float32")
     what = (f"this model ({parameter_count(c):,} parameters: {format_bytes(weights)}; a "
             f"{c.context_len:,}-position context: {format_bytes(context)} of mask and KV cache)")
     return weights + context, what
@@ -158,6 +180,20 @@ def check_file_fits(path, factor=1):
     check_fits_in_memory(size * factor, f"reading this {size:,}-byte file", path)
 
 
+def read_json(file, max_bytes=None):
+    """A JSON file's contents, after checking that parsing it fits in memory (and, for a
+    config, that it is not far larger than any config is)."""
+    size = file.stat().st_size
+    if max_bytes is not None and size > max_bytes:
+        raise CheckpointError(f"{file}: {size:,} bytes, too large for a {file.name} "
+                              f"(at most {max_bytes:,})")
+    check_file_fits(file, PYTHON_OBJECTS_PER_FILE_BYTE)
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise CheckpointError(f"{file}: not readable JSON ({type(e).__name__})") from None
+
+
 # torch.save stores every entry of its archive uncompressed (so that tensors can be read,
 # or memory-mapped, in place), and trained weights barely compress (~1.1x). An entry that
 # expands more than this from a stored size over a megabyte is not weights: a zip bomb.
@@ -195,15 +231,32 @@ SHAPE_FIELDS = ("context_len", "vocab_size", "n_layer", "n_head", "n_embd")
 FIELD_ALIASES = {"block_size": "context_len"}
 
 
+FAMILIES = ("gpt", "llama")
+LLAMA_INT_FIELDS = ("context_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
+                    "intermediate_size")
+LLAMA_BOOL_FIELDS = ("qkv_bias", "qk_norm", "tie_embeddings")
+# what each rope scaling kind reads, besides rope_type: llama.rope_frequencies
+ROPE_SCALING_FIELDS = {"linear": ("factor",),
+                       "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                  "original_max_position_embeddings")}
+
+
 def config_from_dict(fields, source, names=None):
-    """A GPTConfig from a dict of its fields (other keys are ignored: nanoGPT keeps more),
-    every value checked before anything is built, and the model it describes checked
-    against the memory this machine has. `names` maps a field to what the file calls it
-    (config.json's n_positions is our context_len), for the messages."""
+    """A GPTConfig (or, when fields["family"] is "llama", a LlamaConfig) from a dict of its
+    fields (other keys are ignored: nanoGPT keeps more), every value checked before anything
+    is built, and the model it describes checked against the memory this machine has.
+    `names` maps a field to what the file calls it (config.json's n_positions is our
+    context_len), for the messages."""
     names = names or {}
     if not isinstance(fields, dict):
         raise CheckpointError(f"{source}: the model config is a {type(fields).__name__}, "
                               "expected a dict of GPTConfig fields")
+    family = fields.get("family", "gpt")
+    if family not in FAMILIES:
+        raise CheckpointError(f"{source}: the model config's family is {short_repr(family)}, "
+                              f"expected one of {', '.join(FAMILIES)}")
+    if family == "llama":
+        return llama_config_from_dict(fields, source, names)
     for alias, name in FIELD_ALIASES.items():
         if alias in fields and name not in fields:
             fields, names = {**fields, name: fields[alias]}, {name: alias, **names}
@@ -230,9 +283,82 @@ def config_from_dict(fields, source, names=None):
     return config
 
 
+def is_number(value, low=0.0, high=math.inf):
+    """A finite int or float (not a bool) with low < value < high."""
+    return type(value) in (int, float) and math.isfinite(value) and low < value < high
+
+
+def llama_config_from_dict(fields, source, names):
+    """A LlamaConfig from its fields, every one checked (what config_from_dict does for GPT-2)."""
+    def name(field):
+        return names.get(field, field)
+
+    def refuse(field, what):
+        raise CheckpointError(f"{source}: the model config's {name(field)} must be {what}, "
+                              f"got {short_repr(fields.get(field))}")
+    for field in LLAMA_INT_FIELDS:
+        if field not in fields:
+            raise CheckpointError(f"{source}: the model config has no {name(field)!r}")
+        if type(fields[field]) is not int or not 1 <= fields[field] < 2 ** 63:
+            refuse(field, "a positive integer (below 2**63)")
+    head_dim = fields.get("head_dim")
+    if head_dim is not None and (type(head_dim) is not int or not 2 <= head_dim < 2 ** 31 or head_dim % 2):
+        refuse("head_dim", "null or an even positive integer")
+    if head_dim is None and fields["n_embd"] % fields["n_head"]:
+        raise CheckpointError(f"{source}: the model config's {name('n_embd')} ({fields['n_embd']}) "
+                              f"is not divisible by {name('n_head')} ({fields['n_head']})")
+    if head_dim is None and (fields["n_embd"] // fields["n_head"]) % 2:
+        raise CheckpointError(f"{source}: the model's head size ({fields['n_embd'] // fields['n_head']}) "
+                              "is odd; rotary positions turn channels in pairs")
+    if fields["n_head"] % fields["n_kv_head"]:
+        raise CheckpointError(f"{source}: the model config's {name('n_head')} ({fields['n_head']}) "
+                              f"is not a multiple of {name('n_kv_head')} ({fields['n_kv_head']})")
+    for field in LLAMA_BOOL_FIELDS:
+        if type(fields.get(field, False)) is not bool:
+            refuse(field, "true or false")
+    if not is_number(fields.get("rope_theta", 10000.0), 1.0):
+        refuse("rope_theta", "a finite number above 1")
+    if not is_number(fields.get("norm_eps", 1e-5), 0.0, 1.0):
+        refuse("norm_eps", "a number in (0, 1)")
+    scaling = check_rope_scaling(fields.get("rope_scaling"), source, name("rope_scaling"))
+    config = LlamaConfig(**{f: fields[f] for f in LLAMA_INT_FIELDS}, head_dim=head_dim,
+                         rope_theta=float(fields.get("rope_theta", 10000.0)), rope_scaling=scaling,
+                         norm_eps=float(fields.get("norm_eps", 1e-5)),
+                         **{f: fields.get(f, False) for f in LLAMA_BOOL_FIELDS})
+    check_fits_in_memory(*model_memory(config), source)
+    return config
+
+
+def check_rope_scaling(scaling, source, name):
+    """None (plain RoPE) or a dict of a kind llama.rope_frequencies computes, with every
+    number it reads; returns it with only those keys (None for the default kind)."""
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind not in ROPE_TYPES:
+        raise CheckpointError(f"{source}: the model config's {name} {short_repr(scaling)} is not "
+                              f"supported (rope_type one of {', '.join(ROPE_TYPES)})")
+    if kind == "default":
+        return None
+    checked = {"rope_type": kind}
+    for field in ROPE_SCALING_FIELDS[kind]:
+        value = scaling.get(field)
+        if not is_number(value):
+            raise CheckpointError(f"{source}: the model config's {name}.{field} must be a positive "
+                                  f"number, got {short_repr(value)}")
+        checked[field] = value
+    if kind == "llama3" and checked["high_freq_factor"] <= checked["low_freq_factor"]:
+        raise CheckpointError(f"{source}: the model config's {name}: high_freq_factor must be "
+                              "above low_freq_factor")
+    return checked
+
+
 # ---------------------------------------------------------------------------- weights
 
-LAYER_KEY = re.compile(r"transformer\.h\.(\d+)\.")
+LAYER_PREFIX = {"gpt": "transformer.h", "llama": "model.layers"}  # where each family's blocks live
+LAYER_KEY = re.compile(r"(?:transformer\.h|model\.layers)\.(\d+)\.")
+# the weight a tied output layer shares
+EMBEDDING = {"gpt": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
 
 
 def layer_indices(state_dict):
@@ -257,7 +383,7 @@ def check_layer_count(state_dict, config, source):
     found = layer_indices(state_dict)
     first_missing = next(i for i in range(len(found) + 1) if i not in found)
     if first_missing < config.n_layer:
-        raise CheckpointError(f"{source}: missing key transformer.h.{first_missing}.* (the config "
+        raise CheckpointError(f"{source}: missing key {LAYER_PREFIX[config.family]}.{first_missing}.* (the config "
                               f"has {config.n_layer:,} layers, the weights none for layer {first_missing})")
     extra = next((k for k in state_dict
                   if (m := LAYER_KEY.match(k)) and int(m.group(1)) >= config.n_layer), None)
@@ -290,10 +416,10 @@ def check_values(state_dict, source):
                                   f"{value.numel():,}: the file is damaged or its training diverged")
 
 
-def check_weights(state_dict, expected, source):
+def check_weights(state_dict, expected, source, config):
     """state_dict has exactly the keys and shapes of `expected` (the model's state dict).
-    lm_head and wte are one tensor in the model, so a file that holds two different ones
-    is refused rather than letting whichever loads last win."""
+    A tied lm_head and the embedding are one tensor in the model, so a file that holds two
+    different ones is refused rather than letting whichever loads last win."""
     missing = [k for k in expected if k not in state_dict]
     extra = [k for k in state_dict if k not in expected]
     if missing:
@@ -304,9 +430,11 @@ def check_weights(state_dict, expected, source):
         if state_dict[key].shape != tensor.shape:
             raise CheckpointError(f"{source}: {key} has shape {tuple(state_dict[key].shape)}, "
                                   f"the config expects {tuple(tensor.shape)}")
-    wte, head = state_dict["transformer.wte.weight"], state_dict["lm_head.weight"]
-    if head is not wte and not torch.equal(wte, head):
-        raise CheckpointError(f"{source}: lm_head.weight differs from transformer.wte.weight; "
+    if config.family == "llama" and not config.tie_embeddings:
+        return
+    embedding, head = state_dict[EMBEDDING[config.family]], state_dict["lm_head.weight"]
+    if head is not embedding and not torch.equal(embedding, head):
+        raise CheckpointError(f"{source}: lm_head.weight differs from {EMBEDDING[config.family]}; "
                               "this model ties them (one tensor for both)")
 
 

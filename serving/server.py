@@ -30,6 +30,7 @@ import uuid
 from aiohttp import web
 
 from serving.engine import SamplingParams
+from plumbing.text_stream import prompt_tokens
 
 MAX_N = 128          # samples per prompt
 MAX_STOPS = 4        # as OpenAI
@@ -122,8 +123,8 @@ def stop_strings(body):
 
 def prompt_ids(body, tokenizer, context):
     """The prompts as lists of token ids: a string, a list of strings, a list of token ids,
-    or a list of such lists (OpenAI's four forms). An empty string starts from the
-    end-of-text token, as generate.py does."""
+    or a list of such lists (OpenAI's four forms). A string is encoded as generate.py does
+    (text_stream.prompt_tokens: an empty one starts from the end-of-text token)."""
     prompt = body.get("prompt")
     if prompt is None:
         raise BadRequest("'prompt' is required", "prompt", "missing_required_parameter")
@@ -136,7 +137,7 @@ def prompt_ids(body, tokenizer, context):
     prompts = []
     for p in prompt:
         if isinstance(p, str):
-            p = tokenizer.encode_ordinary(p) or [tokenizer.eot_token]
+            p = prompt_tokens(tokenizer, p)
         elif not all(0 <= t < tokenizer.n_vocab for t in p):
             raise BadRequest(f"token ids must be in [0, {tokenizer.n_vocab})", "prompt", "invalid_value")
         if len(p) > context:

@@ -5,9 +5,9 @@ import tiktoken
 import torch
 
 from base_model import GPT
-from plumbing.checkpoint import CheckpointError, load_model, read_checkpoint
+from plumbing.checkpoint import NAIVE_MODELS, CheckpointError, load_model, read_checkpoint
 from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
-from kv_cache import KVCacheGPT
+from kv_cache import CACHED_MODELS
 
 CONFIG = TINY_CONFIGS[0]
 
@@ -19,7 +19,7 @@ def same_weights(model, reference):
 
 def test_our_format_round_trip(tiny_ckpt):
     lines = []
-    model, tok = load_model(KVCacheGPT, tiny_ckpt, report=lines.append)
+    model, tok = load_model(CACHED_MODELS, tiny_ckpt, report=lines.append)
     assert same_weights(model, tiny_model(CONFIG))
     assert len(lines) == 1 and str(tiny_ckpt) in lines[0]
     assert tok.decode(tok.encode("héllo 👋")) == "héllo 👋"
@@ -33,7 +33,7 @@ def test_nanogpt_layout_with_compile_prefix_and_mask_buffers(tmp_path):
     model_args = {k: getattr(CONFIG, k) for k in ("n_layer", "n_head", "n_embd", "context_len", "bias", "vocab_size", "dropout")}
     torch.save({"model": state, "model_args": model_args, "iter_num": 5,
                 "config": {"batch_size": 12, "learning_rate": 6e-4}, "tokenizer": byte_tokenizer_spec()}, path)
-    model, _ = load_model(GPT, path, report=lambda _: None)
+    model, _ = load_model(NAIVE_MODELS, path, report=lambda _: None)
     assert same_weights(model, ref)
 
 
@@ -44,7 +44,7 @@ def test_bare_state_dict_infers_config(tmp_path):
     path = tmp_path / "bare.pt"
     torch.save(state, path)
     with pytest.raises(CheckpointError, match="gpt2"):  # nothing says which tokenizer: gpt2
-        load_model(GPT, path, report=lambda _: None)
+        load_model(NAIVE_MODELS, path, report=lambda _: None)
     from plumbing.checkpoint import clean_state_dict, infer_config
     inferred = infer_config(clean_state_dict(state), path)
     assert (inferred.n_layer, inferred.n_embd, inferred.context_len, inferred.vocab_size,
@@ -55,7 +55,7 @@ def test_fp16_checkpoint_loads_into_fp32(tmp_path):
     from plumbing.checkpoint import save_checkpoint
     ref = tiny_model(CONFIG)
     save_checkpoint(tmp_path / "half.pt", ref, byte_tokenizer_spec(), dtype=torch.float16)
-    model, _ = load_model(KVCacheGPT, tmp_path / "half.pt", report=lambda _: None)
+    model, _ = load_model(CACHED_MODELS, tmp_path / "half.pt", report=lambda _: None)
     assert model.lm_head.weight.dtype == torch.float32
     assert model.lm_head.weight is model.transformer.wte.weight
     assert torch.allclose(model.lm_head.weight, ref.lm_head.weight, atol=1e-3)
@@ -77,7 +77,7 @@ def write_state(tmp_path, mutate):
 def test_mismatched_state_dict_names_the_key(tmp_path, mutate, message):
     path = write_state(tmp_path, mutate)
     with pytest.raises(CheckpointError, match=message) as e:
-        load_model(GPT, path, report=lambda _: None)
+        load_model(NAIVE_MODELS, path, report=lambda _: None)
     assert str(path) in str(e.value) and "\n" not in str(e.value)
 
 
@@ -109,7 +109,7 @@ def test_pickle_that_runs_code_is_refused_before_it_runs(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save({"model": Exploit(str(marker))}, path)
     with pytest.raises(CheckpointError, match="refused") as e:
-        load_model(GPT, path, report=lambda _: None)
+        load_model(NAIVE_MODELS, path, report=lambda _: None)
     assert "\n" not in str(e.value)
     assert not marker.exists()
 
@@ -120,7 +120,7 @@ def test_tokenizer_larger_than_model_vocab_is_refused(tmp_path):
     path = tmp_path / "tok.pt"
     torch.save({"model": tiny_model(CONFIG).state_dict(), "config": vars(CONFIG).copy(), "tokenizer": spec}, path)
     with pytest.raises(CheckpointError, match="tokenizer has 267 tokens but the model only 260"):
-        load_model(GPT, path, report=lambda _: None)
+        load_model(NAIVE_MODELS, path, report=lambda _: None)
 
 
 def test_unknown_named_encoding_gives_one_line(tmp_path):
@@ -128,7 +128,7 @@ def test_unknown_named_encoding_gives_one_line(tmp_path):
     torch.save({"model": tiny_model(CONFIG).state_dict(), "config": vars(CONFIG).copy(),
                 "tokenizer": {"encoding": "no_such_encoding_xyz"}}, path)
     with pytest.raises(CheckpointError, match="unknown tiktoken encoding 'no_such_encoding_xyz'") as e:
-        load_model(GPT, path, report=lambda _: None)
+        load_model(NAIVE_MODELS, path, report=lambda _: None)
     assert "\n" not in str(e.value)
 
 
@@ -142,5 +142,5 @@ def test_unavailable_named_encoding_gives_one_line(tmp_path, monkeypatch):
     torch.save({"model": tiny_model(CONFIG).state_dict(), "config": vars(CONFIG).copy(),
                 "tokenizer": {"encoding": "r50k_base"}}, path)
     with pytest.raises(CheckpointError, match="r50k_base.*offline.*TIKTOKEN_CACHE_DIR") as e:
-        load_model(GPT, path, report=lambda _: None)
+        load_model(NAIVE_MODELS, path, report=lambda _: None)
     assert "\n" not in str(e.value)

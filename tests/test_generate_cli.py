@@ -10,7 +10,7 @@ import pytest
 from plumbing.checkpoint import BUNDLED, ROOT, load_model
 from conftest import run_script
 from plumbing.text_stream import SampleText
-from kv_cache import KVCacheGPT
+from kv_cache import CACHED_MODELS
 
 BLOCK_SIZE = 256  # the bundled model's context (checked below)
 
@@ -79,7 +79,7 @@ def test_stop_string_truncates_and_is_not_printed():
 
 
 def test_ten_times_context_len_tokens():
-    assert load_model(KVCacheGPT, BUNDLED, report=lambda _: None)[0].config.context_len == BLOCK_SIZE
+    assert load_model(CACHED_MODELS, BUNDLED, report=lambda _: None)[0].config.context_len == BLOCK_SIZE
     n = 10 * BLOCK_SIZE
     out = generate_json("--prompt", "", "--max-new-tokens", str(n), "--ignore-eot", "--seed", "1")
     assert out["stats"]["new_tokens"] == [n]
@@ -99,7 +99,7 @@ def test_streamed_utf8_never_breaks_characters():
 
 
 def test_sample_text_holds_back_partial_characters():
-    _, tok = load_model(KVCacheGPT, BUNDLED, report=lambda _: None)
+    _, tok = load_model(CACHED_MODELS, BUNDLED, report=lambda _: None)
     text = "naïve 👋🎭 café"
     ids = tok.encode_ordinary(text)
     assert len(ids) > len(text) // 2  # emoji are split across several byte tokens

@@ -19,7 +19,7 @@ from plumbing.checkpoint import BUNDLED, load_model, save_checkpoint
 from plumbing.script import UserError
 from conftest import ROOT, TINY_CONFIGS, byte_tokenizer_spec, run_script, tiny_model
 from export_gguf import export
-from kv_cache import KVCacheGPT
+from kv_cache import CACHED_MODELS
 
 gguf = pytest.importorskip("gguf", reason="gguf is not installed: pip install -r requirements-dev.txt")
 
@@ -75,7 +75,7 @@ def expected_tensors(model):
 def test_f32_tensors_read_back_equal(bpe_ckpt, tmp_path):
     out = tmp_path / "tiny.gguf"
     export(bpe_ckpt, out, report=quiet)
-    ours, _ = load_model(KVCacheGPT, bpe_ckpt, report=quiet)
+    ours, _ = load_model(CACHED_MODELS, bpe_ckpt, report=quiet)
     _, tensors = read(out)
     expected = expected_tensors(ours)
     # no output.weight: llama.cpp then ties the output projection to token_embd, as we do
@@ -120,7 +120,7 @@ def test_bundled_tokenizer_round_trips(tmp_path):
     is our token's bytes; every merge joins two tokens into a third, in rank order."""
     out = tmp_path / "bundled.gguf"
     export(BUNDLED, out, report=quiet)
-    _, enc = load_model(KVCacheGPT, BUNDLED, report=quiet)
+    _, enc = load_model(CACHED_MODELS, BUNDLED, report=quiet)
     fields, _ = read(out)
     from plumbing.hf import byte_to_char
     to_byte = {c: b for b, c in byte_to_char().items()}
@@ -139,7 +139,7 @@ def test_bundled_tokenizer_round_trips(tmp_path):
 def test_lossy_outtypes_within_format_bounds(bpe_ckpt, tmp_path, outtype):
     out = tmp_path / f"tiny-{outtype}.gguf"
     export(bpe_ckpt, out, outtype, report=quiet)
-    ours, _ = load_model(KVCacheGPT, bpe_ckpt, report=quiet)
+    ours, _ = load_model(CACHED_MODELS, bpe_ckpt, report=quiet)
     _, tensors = read(out)
     q_types = gguf.GGMLQuantizationType
     for name, want in expected_tensors(ours).items():

@@ -24,7 +24,7 @@ from plumbing.script import UserError
 from export_hf import export
 from plumbing.hf import load_hf_model
 from generation.loop import generate_tokens
-from kv_cache import KVCacheGPT
+from kv_cache import CACHED_MODELS, KVCacheGPT
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()  # no warnings about random tiny configs
@@ -116,7 +116,7 @@ def hf_pair(request, tmp_path_factory):
     """(HF model, our KVCacheGPT loaded from the same directory, name)."""
     path = tmp_path_factory.mktemp(request.param)
     hf = make_hf_dir(path, **HF_CONFIGS[request.param])
-    ours, _ = load_hf_model(KVCacheGPT, path, report=quiet)
+    ours, _ = load_hf_model(CACHED_MODELS, path, report=quiet)
     return hf, ours, request.param
 
 
@@ -204,7 +204,7 @@ def test_hf_cache_agrees_with_ours(hf_pair, kind):
 def test_tokenizer_from_vocab_and_merges(tmp_path):
     path = tmp_path / "tok"
     make_hf_dir(path, **HF_CONFIGS["48d-3heads-safetensors-sdpa"])
-    _, enc = load_hf_model(KVCacheGPT, path, report=quiet)
+    _, enc = load_hf_model(CACHED_MODELS, path, report=quiet)
     # by hand: "the" -> t + he (no 't'+'he' merge); " and" -> nd, then Ġa, then Ġand;
     # " then" -> he, Ġt, Ġthe, then n; 't' and 'n' are printable: id = byte - ord('!')
     assert enc.encode_ordinary("the and then") == [ord("t") - 33, 256, 261, 258, ord("n") - 33]
@@ -224,7 +224,7 @@ def test_tokenizer_json_only(tmp_path):
         (dst / name).unlink()
     GPT2TokenizerFast.from_pretrained(src).save_pretrained(dst)
     assert (dst / "tokenizer.json").exists() and not (dst / "vocab.json").exists()
-    _, enc = load_hf_model(KVCacheGPT, dst, report=quiet)
+    _, enc = load_hf_model(CACHED_MODELS, dst, report=quiet)
     assert enc.encode_ordinary("the and then") == [ord("t") - 33, 256, 261, 258, ord("n") - 33]
 
 
@@ -252,12 +252,12 @@ def test_export_round_trip(config, use_safetensors, tmp_path):
     export(ckpt, out, report=lines.append, use_safetensors=use_safetensors)
     assert (out / ("model.safetensors" if use_safetensors else "pytorch_model.bin")).exists()
     assert "vocab.json + merges.txt" in lines[-1]
-    ours, enc = load_model(KVCacheGPT, ckpt, report=quiet)
+    ours, enc = load_model(CACHED_MODELS, ckpt, report=quiet)
     hf = check_export(ours, enc, out, f"{config.n_head}heads bias={config.bias}")
     assert hf.config.eos_token_id == enc.eot_token
     # and back through our importer: the same tensors, bit for bit (transposes are exact);
     # a model trained without biases comes back with zero biases, which compute the same
-    back, _ = load_hf_model(KVCacheGPT, out, report=quiet)
+    back, _ = load_hf_model(CACHED_MODELS, out, report=quiet)
     mine = ours.state_dict()
     for key, value in back.state_dict().items():
         assert torch.equal(value, mine[key]) if key in mine else not value.any(), key
@@ -278,7 +278,7 @@ def test_export_bundled_model(tmp_path):
     whole held-out set through HF's own tokenizer."""
     out = tmp_path / "hf"
     export(BUNDLED, out, report=quiet)
-    ours, enc = load_model(KVCacheGPT, BUNDLED, report=quiet)
+    ours, enc = load_model(CACHED_MODELS, BUNDLED, report=quiet)
     hf = check_export(ours, enc, out, "bundled shakespeare")
     heldout = (BUNDLED.parent / "heldout.txt").read_text(encoding="utf-8")
     tok = GPT2TokenizerFast.from_pretrained(out)
@@ -307,7 +307,7 @@ def test_export_script(tmp_path, tiny_ckpt):
 
 def one_line_error(path):
     with pytest.raises(CheckpointError) as info:
-        load_hf_model(KVCacheGPT, path, report=quiet)
+        load_hf_model(CACHED_MODELS, path, report=quiet)
     message = str(info.value)
     assert "\n" not in message and str(path) in message
     return message
@@ -350,7 +350,7 @@ def test_error_missing_weights(tmp_path, hf_dir):
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(model_type="llama"), "model_type is 'llama'"),
+    (dict(model_type="bert"), "model_type is 'bert'; these can be loaded: gpt2, llama"),
     (dict(activation_function="relu"), "activation_function 'relu'"),
     (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
     (dict(layer_norm_epsilon=1e-6), "layer_norm_epsilon"),
@@ -375,7 +375,7 @@ def test_cli_hf_flag(hf_dir):
     """plumbing.cli.load_from_args hands --hf DIR to load_hf_model (the contract generate.py relies on)."""
     from argparse import Namespace
     from plumbing.cli import load_from_args
-    model, enc, device = load_from_args(KVCacheGPT, Namespace(hf=str(hf_dir), ckpt=None, device="cpu",
+    model, enc, device = load_from_args(CACHED_MODELS, Namespace(hf=str(hf_dir), ckpt=None, device="cpu",
                                                               dtype="float32", seed=0,
                                                               quantize="none", group_size=None))
     assert isinstance(model, KVCacheGPT) and enc.eot_token == EOT_ID and device.type == "cpu"

@@ -19,7 +19,7 @@ import torch
 
 from plumbing.checkpoint import BUNDLED, load_model
 from export_gguf import export
-from kv_cache import KVCacheGPT
+from kv_cache import CACHED_MODELS
 from benchmarks.cache_cost import bandwidth_floor
 from benchmarks.decode_speed import decode_speed
 from benchmarks.peers import llama_greedy
@@ -51,7 +51,7 @@ def llama_logits(llm, ids):
 @pytest.fixture(scope="module")
 def bundled(tmp_path_factory):
     """(our model, our tokenizer, {outtype: llama.cpp on its export}) for the bundled model."""
-    ours, enc = load_model(KVCacheGPT, BUNDLED, report=quiet)
+    ours, enc = load_model(CACHED_MODELS, BUNDLED, report=quiet)
     folder = tmp_path_factory.mktemp("gguf")
     engines = {}
     for outtype in ("f32", "f16", "q8_0"):
@@ -141,7 +141,7 @@ def test_hf_directory(tmp_path):
     hf_dir, out = tmp_path / "hf", tmp_path / "hf.gguf"
     make_hf_dir(hf_dir, **HF_CONFIGS["48d-3heads-safetensors-sdpa"])
     export(hf_dir, out, hf=True, report=quiet)
-    ours, enc = load_hf_model(KVCacheGPT, hf_dir, report=quiet)
+    ours, enc = load_hf_model(CACHED_MODELS, hf_dir, report=quiet)
     llm = load_llama_all_logits(out, ours.config.context_len)
     try:
         ids = torch.randint(enc.n_vocab, (1, 100), generator=torch.Generator().manual_seed(0))

@@ -15,10 +15,10 @@ import torch
 
 from plumbing import validation
 from base_model import GPT, GPTConfig
-from plumbing.checkpoint import build_model, load_model, read_checkpoint
+from plumbing.checkpoint import NAIVE_MODELS, build_model, load_model, read_checkpoint
 from conftest import ROOT, TINY_CONFIGS, byte_tokenizer_spec, tiny_model
 from plumbing.hf import encoding_from_bpe, parse_tokenizer_json
-from kv_cache import KVCacheGPT
+from kv_cache import CACHED_MODELS
 from plumbing.validation import CheckpointError, config_from_dict, encoding_from_spec
 
 CONFIG = TINY_CONFIGS[0]
@@ -71,14 +71,14 @@ def test_config_that_is_not_a_dict_of_fields(config, words):
 
 
 def test_config_errors_through_the_loader(tmp_path):
-    message = one_line(load_model, GPT, save(tmp_path / "c.pt", GOOD | {"n_head": 0}), match="n_head")
+    message = one_line(load_model, NAIVE_MODELS, save(tmp_path / "c.pt", GOOD | {"n_head": 0}), match="n_head")
     assert str(tmp_path / "c.pt") in message
 
 
 def test_a_training_only_config_means_infer_from_the_weights(tmp_path):
     """nanoGPT's 'config' (training settings) without model_args says nothing about the model."""
     path = save(tmp_path / "c.pt", {"learning_rate": 6e-4, "batch_size": 12})
-    model, _ = load_model(GPT, path, report=lambda _: None)
+    model, _ = load_model(NAIVE_MODELS, path, report=lambda _: None)
     assert (model.config.n_layer, model.config.n_embd, model.config.context_len) == (2, 32, 64)
 
 
@@ -119,9 +119,9 @@ def test_huge_configs_are_refused_without_allocating(tmp_path):
         paths.append(str(save(tmp_path / f"huge{i}.pt", GOOD | change)))
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
             f"sys.path.insert(0, {str(ROOT)!r})\n"
-            "from plumbing.checkpoint import load_model, CheckpointError\nfrom kv_cache import KVCacheGPT\n"
+            "from plumbing.checkpoint import load_model, CheckpointError\nfrom kv_cache import CACHED_MODELS\n"
             "for p in sys.argv[1:]:\n"
-            "    try: load_model(KVCacheGPT, p)\n"
+            "    try: load_model(CACHED_MODELS, p)\n"
             "    except CheckpointError as e: print(e)\n")
     proc = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -136,7 +136,7 @@ def test_layers_are_counted_before_constructing_them(tmp_path, monkeypatch):
         raise AssertionError("the model was constructed")
     state = tiny_model(CONFIG).state_dict()
     config = GPTConfig(**GOOD | {"n_layer": 500})
-    one_line(build_model, no_build, config, state, encoding_from_spec(byte_tokenizer_spec(), "t"),
+    one_line(build_model, {"gpt": no_build}, config, state, encoding_from_spec(byte_tokenizer_spec(), "t"),
              "ckpt.pt", match="missing key transformer.h.2.\\*")
 
 
@@ -193,7 +193,7 @@ def poke(value):
 ])
 def test_bad_weight_values_are_named(tmp_path, key, change, words):
     path = save(tmp_path / "w.pt", state=with_tensor(key, change))
-    one_line(load_model, KVCacheGPT, path, match=words)
+    one_line(load_model, CACHED_MODELS, path, match=words)
 
 
 def test_finite_weights_whose_sum_overflows_are_fine():
@@ -215,19 +215,19 @@ def test_fp16_nan_is_caught():
 def test_state_dict_that_is_not_tensors(tmp_path, state, words):
     path = tmp_path / "s.pt"
     torch.save({"model": state, "config": GOOD, "tokenizer": byte_tokenizer_spec()}, path)
-    one_line(load_model, GPT, path, match=words)
+    one_line(load_model, NAIVE_MODELS, path, match=words)
 
 
 def test_lm_head_that_differs_from_wte_is_refused(tmp_path):
     state = dict(tiny_model(CONFIG).state_dict())
     state["lm_head.weight"] = state["lm_head.weight"] + 1
-    one_line(load_model, GPT, save(tmp_path / "t.pt", state=state), match="lm_head.weight differs")
+    one_line(load_model, NAIVE_MODELS, save(tmp_path / "t.pt", state=state), match="lm_head.weight differs")
 
 
 def test_bare_state_dict_with_odd_shapes(tmp_path):
     path = tmp_path / "bare.pt"
     torch.save({"transformer.wte.weight": torch.zeros(10), "transformer.wpe.weight": torch.zeros(4, 8)}, path)
-    one_line(load_model, GPT, path, match="wte.weight has shape \\(10,\\)")
+    one_line(load_model, NAIVE_MODELS, path, match="wte.weight has shape \\(10,\\)")
 
 
 # ---------------------------------------------------------------------------- tokenizer specs
@@ -270,7 +270,7 @@ def test_bad_tokenizer_spec_is_named(tokenizer, words, capfd):
 
 def test_tokenizer_errors_through_the_loader(tmp_path):
     path = save(tmp_path / "t.pt", tokenizer=spec(special_tokens={}))
-    one_line(load_model, GPT, path, match="no <\\|endoftext\\|>")
+    one_line(load_model, NAIVE_MODELS, path, match="no <\\|endoftext\\|>")
 
 
 def test_slow_pattern_is_refused(monkeypatch):

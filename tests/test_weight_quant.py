@@ -28,7 +28,7 @@ from base_model import GPT
 from plumbing.checkpoint import BUNDLED, load_model, save_checkpoint
 from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
 from generate import score
-from kv_cache import KVCacheGPT
+from kv_cache import CACHED_MODELS
 from weight_quant import (Int4Linear, Int8Linear, QuantizedLinear, dequantize_int4, dequantize_int8,
                       quantize_int4, quantize_int8, quantize_model)
 from test_generate_cli import generate, run_cli
@@ -247,7 +247,7 @@ def test_greedy_cached_equals_naive_when_quantized(scheme, config):
 
 @pytest.fixture(scope="module")
 def bundled():
-    return load_model(KVCacheGPT, BUNDLED, report=lambda _: None)
+    return load_model(CACHED_MODELS, BUNDLED, report=lambda _: None)
 
 
 @pytest.mark.parametrize("scheme,at_least", [("int8", 200), ("int4", 13)])
