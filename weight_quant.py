@@ -41,6 +41,8 @@ The tied lm_head / wte: at GPT-2 size the lm_head is the biggest matrix (50257 x
 the token embedding, whose lookup reads one row per step: it stays exact, in full
 precision, because quantizing it would save no time (one row) and would change every
 token's input. The cost is memory: the full table stays next to its int8/int4 copy.
+An untied output layer (Llama 2, Mistral, TinyLlama; not Llama 3.2 1B or Qwen's small
+models, which tie it) stays in the model's dtype: a few percent of such a model's weights.
 
 A quantized model's state_dict() still reads like the original's: every Linear saves its
 dequantized weight under `weight`, so names and shapes are unchanged and a plain GPT can
@@ -229,8 +231,8 @@ class Int4Linear(QuantizedLinear):
 
 @torch.no_grad()
 def quantize_model(model, scheme, group_size=INT4_GROUP_SIZE, use_cpu_kernel=None):
-    """Replace every nn.Linear of a loaded GPT or KVCacheGPT by its quantized version, in
-    place, and return the model. scheme: 'int8' or 'int4'. Quantize after .to(device, dtype).
+    """Replace every nn.Linear of a loaded model (either family, naive or cached) by its
+    quantized version, in place, and return the model. scheme: 'int8' or 'int4'. Quantize after .to(device, dtype).
     Raises ValueError (a one-line message) where the scheme cannot apply."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}: choose one of {', '.join(SCHEMES)}")
@@ -240,12 +242,19 @@ def quantize_model(model, scheme, group_size=INT4_GROUP_SIZE, use_cpu_kernel=Non
             return Int8Linear(linear, use_cpu_kernel)
         return Int4Linear(linear, group_size, use_cpu_kernel)
 
-    # build every replacement first, so that a shape the scheme refuses leaves the model as it was
+    # the embedding the output layer is tied to (GPT-2's, and some Llamas'), if it is
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)
+                      and m.weight is model.lm_head.weight), None)
+    # build every replacement first, so that a shape the scheme refuses leaves the model as it was;
+    # an untied lm_head (most Llamas) stays as it is: every caller reads the model's device and
+    # dtype from model.lm_head.weight, which a quantized Linear no longer has
     replacements = [(parent, name, quantized(child)) for parent in model.modules()
-                    for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+                    for name, child in parent.named_children() if isinstance(child, nn.Linear)
+                    and (child is not model.lm_head or embedding is not None)]
     for parent, name, module in replacements:
         setattr(parent, name, module)
-    # the tied lm_head: its matmul is quantized, but its weight is also the token embedding,
-    # which stays exact; keeping it here keeps model.lm_head.weight and the state dict as they were
-    model.lm_head.weight = model.transformer.wte.weight
+    if embedding is not None:
+        # the tied lm_head: its matmul is quantized, but its weight is also the token embedding,
+        # which stays exact; keeping it here keeps model.lm_head.weight and the state dict as they were
+        model.lm_head.weight = embedding.weight
     return model
