@@ -5,6 +5,8 @@ runs next to llama.cpp on identical weights, and more peers.
 
     python benchmark.py --quick                # a few minutes
     python benchmark.py --json out/bench.json --plot out/bench.png
+    python benchmark.py --llama-speed          # adds a Llama-3.2-1B shape beside llama.cpp
+    python benchmark.py --ckpt checkpoints/shakespeare-llama/ckpt.pt --context-policies
 
 This file is the command line: its flags, the checks before a run, the sections in
 order, and the outputs. Each section is a module of benchmarks/ (its __init__ lists them).
@@ -27,8 +29,10 @@ import torch  # noqa: E402
 from benchmarks.batching import batch_throughput  # noqa: E402
 from benchmarks.cache_cost import (SHAPES, bandwidth_floor, cost_curves, decode_vs_floor,  # noqa: E402
                                    floor_section, random_model, seed_demo)
+from benchmarks.context_policy import HELDOUT, context_policies, print_context_policies  # noqa: E402
 from benchmarks.decode_speed import REFERENCE, decode_speed  # noqa: E402
 from benchmarks.kv_dtypes import kv_dtype_latency, quantized_peer  # noqa: E402
+from benchmarks.llama_speed import llama_speed, print_llama_speed  # noqa: E402
 from benchmarks.peers import llama_cpp_missing, transformers_table  # noqa: E402
 from benchmarks.report import plot, print_report  # noqa: E402
 from benchmarks.weight_formats import kernel_timings  # noqa: E402
@@ -106,6 +110,12 @@ def parse_args():
     p.add_argument("--compile", action="store_true", help=f"with --quick: include {compile_help}")
     p.add_argument("--no-compile", action="store_true", help=f"leave out {compile_help} "
                    "(it is in by default, without --quick)")
+    p.add_argument("--llama-speed", action="store_true", help="add the Llama-3.2-1B-shaped model's "
+                   "decode speed beside llama.cpp f32, q8_0 and q4_0 (~15 minutes, ~16 GB; "
+                   "python -m benchmarks.llama_speed runs it alone)")
+    p.add_argument("--context-policies", action="store_true", help="add both context policies "
+                   "(reprefill, sinks) on the held-out text, 4x the checkpoint's context "
+                   "(python -m benchmarks.context_policy runs it alone)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write the cost curves as a PNG (needs matplotlib)")
     args = p.parse_args()
@@ -194,8 +204,17 @@ def main():
     else:
         text = args.kv_peer_text.read_text(encoding="utf-8")[:args.kv_peer_chars]
         r["quantized_peer"] = quantized_peer(model, tokenizer, text, args.kv_position, reps)
+    if args.context_policies:
+        r["context_policies"] = context_policies(model, tokenizer, HELDOUT.read_text(encoding="utf-8"))
+    if args.llama_speed:
+        r["llama_speed"] = llama_speed("llama-3.2-1b", min(args.demo_tokens, 32), reps, device)
     r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print_report(r)
+    if "context_policies" in r:
+        print_context_policies(r["context_policies"], r["checkpoint"])
+    if "llama_speed" in r:
+        print("\n# Llama-3.2-1B shape (benchmarks/llama_speed.py)")
+        print_llama_speed(r["llama_speed"])
     if args.json:
         write_atomically(args.json, json_text(r, generator="benchmark.py", indent=1))
     if args.plot:

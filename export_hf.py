@@ -1,21 +1,26 @@
 """
-Our checkpoint -> a Hugging Face GPT-2 directory that transformers loads unchanged:
+Our checkpoint -> a Hugging Face directory that transformers loads unchanged: GPT2LMHeadModel
+for a GPT-2-style checkpoint, LlamaForCausalLM for a Llama-style one (Qwen2ForCausalLM with
+biases on q, k, v; Qwen3ForCausalLM with q/k norms):
 
     python export_hf.py [CKPT] OUT_DIR      (CKPT: default chain, as in every script)
 
-    from transformers import GPT2LMHeadModel, GPT2TokenizerFast
-    model = GPT2LMHeadModel.from_pretrained(OUT_DIR)
-    tokenizer = GPT2TokenizerFast.from_pretrained(OUT_DIR)   # when it was exported
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(OUT_DIR)
+    tokenizer = AutoTokenizer.from_pretrained(OUT_DIR)   # when it was exported
 
-Writes config.json, the weights in HF's Conv1D layout (model.safetensors, or
-pytorch_model.bin without the safetensors package) and, for a GPT-2-style byte-level BPE
-tokenizer (the bundled one is), vocab.json + merges.txt + tokenizer_config.json.
-transformers is not needed here; plumbing/hf.py holds the layout knowledge both ways.
+Writes config.json, the weights (model.safetensors, or pytorch_model.bin without the
+safetensors package) and, for a GPT-2-style byte-level BPE tokenizer (the bundled ones
+are), the tokenizer: vocab.json + merges.txt + tokenizer_config.json for GPT-2, tokenizer.json
++ tokenizer_config.json (written with the `tokenizers` library) for the Llama family, whose
+--hf loader reads tokenizer.json. GPT-2's weights go in HF's Conv1D layout; the Llama
+family's need nothing: llama.py uses its names. transformers is not needed here;
+plumbing/hf.py holds the layout knowledge both ways.
 """
 
 import json
 
-from plumbing.script import begin, run
+from plumbing.script import UserError, begin, run
 
 if __name__ == "__main__":  # run as a command; importing this file changes nothing
     begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
@@ -28,8 +33,38 @@ from plumbing.hf import GPT2_PATTERNS, byte_to_char, swap_conv1d  # noqa: E402
 from plumbing.outputs import check_output_path, new_directory  # noqa: E402
 
 
+def llama_model_type(config):
+    """The Hugging Face class a LlamaConfig is: (model_type, architecture)."""
+    if config.qkv_bias and config.qk_norm:
+        raise UserError("a model with both qkv biases and q/k norms is none of Hugging Face's "
+                        "Llama, Qwen2, Qwen3: it cannot be exported")
+    if config.qkv_bias:
+        return "qwen2", "Qwen2ForCausalLM"
+    return ("qwen3", "Qwen3ForCausalLM") if config.qk_norm else ("llama", "LlamaForCausalLM")
+
+
+def hf_llama_config(config, eot):
+    """config.json of a Llama-family model: its class's names for our LlamaConfig fields, rope
+    settings in the form every reader takes (rope_theta and rope_scaling)."""
+    model_type, architecture = llama_model_type(config)
+    return {
+        "model_type": model_type, "architectures": [architecture],
+        "vocab_size": config.vocab_size, "max_position_embeddings": config.context_len,
+        "hidden_size": config.n_embd, "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head, "head_dim": config.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling, "tie_word_embeddings": config.tie_embeddings,
+        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "use_sliding_window": False, "sliding_window": None, "use_cache": True,
+        "torch_dtype": "float32", "bos_token_id": eot, "eos_token_id": eot,
+    }
+
+
 def hf_config(config, eot):
-    """config.json: GPT2Config's names for our GPTConfig fields."""
+    """config.json: GPT2Config's names for our GPTConfig fields (hf_llama_config for the Llama family)."""
+    if config.family == "llama":
+        return hf_llama_config(config, eot)
     return {
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
         "vocab_size": config.vocab_size, "n_positions": config.context_len, "n_ctx": config.context_len,
@@ -56,8 +91,12 @@ def gpt2_state_dict(model):
 
 
 def hf_state_dict(model):
-    """Our state dict in GPT2LMHeadModel's layout (Conv1D weights are (in, out))."""
-    return swap_conv1d(gpt2_state_dict(model))
+    """Our state dict in the HF class's layout: GPT2LMHeadModel's Conv1D weights are (in, out);
+    a Llama's are ours, fp32 and contiguous, a tied lm_head left out (its embedding is it)."""
+    if model.config.family == "gpt":
+        return swap_conv1d(gpt2_state_dict(model))
+    return {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()
+            if not (k == "lm_head.weight" and model.config.tie_embeddings)}
 
 
 def write_weights(state_dict, out_dir, use_safetensors=None):
@@ -113,12 +152,15 @@ def gpt2_tokenizer_files(tokenizer):
     return {**vocab, **specials}, merges
 
 
-def write_tokenizer(tokenizer, out_dir, context_len):
-    """vocab.json + merges.txt + tokenizer_config.json; returns one line saying what happened."""
+def write_tokenizer(tokenizer, out_dir, context_len, family="gpt"):
+    """vocab.json + merges.txt + tokenizer_config.json (tokenizer.json for the Llama family);
+    returns one line saying what happened."""
     vocab, merges = gpt2_tokenizer_files(tokenizer)
     if vocab is None:
         return (f"tokenizer NOT exported ({merges}); encode with tiktoken, as checkpoint.load_model "
                 "returns it, and feed the ids to the HF model")
+    if family == "llama":
+        return write_tokenizer_json(tokenizer, vocab, merges, out_dir, context_len)
     (out_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     merges_text = "#version: 0.2\n" + "".join(m + "\n" for m in merges)
     (out_dir / "merges.txt").write_text(merges_text, encoding="utf-8")
@@ -128,6 +170,30 @@ def write_tokenizer(tokenizer, out_dir, context_len):
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     return (f"tokenizer {tokenizer.name} ({tokenizer.n_vocab} tokens, {len(merges)} merges) "
             "as vocab.json + merges.txt")
+
+
+def write_tokenizer_json(tokenizer, vocab, merges, out_dir, context_len):
+    """The same byte-level BPE as tokenizer.json, GPT-2's pre-tokenisation and decoder, the
+    special tokens added as such; tokenizer_config.json names <|endoftext|> for BOS and EOS
+    and adds neither (the model was trained with it between plays, not before prompts)."""
+    try:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    except ImportError:
+        return "tokenizer NOT exported (it needs the tokenizers package: pip install -r requirements.txt)"
+    specials = tokenizer._special_tokens
+    ordinary = {text: i for text, i in vocab.items() if text not in specials}
+    bpe = Tokenizer(models.BPE(vocab=ordinary, merges=[tuple(m.split(" ")) for m in merges]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    bpe.decoder = decoders.ByteLevel()
+    for text, _ in sorted(specials.items(), key=lambda item: item[1]):  # ids in order: they follow the ranks
+        bpe.add_special_tokens([AddedToken(text, special=True, normalized=False)])
+    bpe.save(str(out_dir / "tokenizer.json"))
+    eot = "<|endoftext|>" if "<|endoftext|>" in specials else None
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context_len,
+              "bos_token": eot, "eos_token": eot, "add_bos_token": False, "add_eos_token": False}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return (f"tokenizer {tokenizer.name} ({tokenizer.n_vocab} tokens, {len(merges)} merges) "
+            "as tokenizer.json")
 
 
 def export(ckpt, out_dir, report=print, use_safetensors=None):
@@ -140,13 +206,14 @@ def export(ckpt, out_dir, report=print, use_safetensors=None):
     with new_directory(out_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config(model.config, eot), indent=2))
         weights = write_weights(hf_state_dict(model), tmp, use_safetensors)
-        tokenizer_note = write_tokenizer(tokenizer, tmp, model.config.context_len)
+        tokenizer_note = write_tokenizer(tokenizer, tmp, model.config.context_len, model.config.family)
     report(f"wrote {out_dir}: config.json, {weights}; {tokenizer_note}")
 
 
 def main():
-    parser = ArgumentParser(description="Export a checkpoint as a Hugging Face GPT-2 directory "
-                            "that transformers.GPT2LMHeadModel.from_pretrained loads.")
+    parser = ArgumentParser(description="Export a checkpoint as a Hugging Face directory that "
+                            "transformers loads: GPT2LMHeadModel, or LlamaForCausalLM (Qwen2, Qwen3) "
+                            "for a Llama-style checkpoint.")
     # argparse fills a leading optional positional only when both are given
     parser.add_argument("ckpt", nargs="?", metavar="CKPT", help="checkpoint file (default: "
                         "checkpoints/ckpt_sft.pt, then ckpt_base.pt, then the bundled model)")

@@ -10,6 +10,8 @@ through the KV cache, sample, stream the text, stop.
     python generate.py --score checkpoints/shakespeare/heldout.txt
     python generate.py --prompt "ROMEO:" --kv-dtype int4 --stats    # a quantized cache
     python generate.py --score checkpoints/shakespeare/heldout.txt --kv-dtype int8
+    python generate.py --ckpt checkpoints/shakespeare-llama/ckpt.pt --prompt "ROMEO:" \
+        --max-new-tokens 1000 --context-policy sinks    # past the context without recomputing
 
 This file is the command: it drives the generation loop (generation/loop.py: prefill,
 decode one token at a time, sample), turns its tokens into text and decides when each row
@@ -31,7 +33,8 @@ if __name__ == "__main__":  # run as a command; importing this file changes noth
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from generation.loop import Generation, GenerationStats  # noqa: E402
+from generation.loop import (CONTEXT_POLICIES, DEFAULT_SINKS, Generation, GenerationStats,  # noqa: E402
+                             check_context_policy)
 from kv_cache import CACHED_MODELS  # noqa: E402
 from kv_quant import KV_DTYPES, cache_formula, dtype_name  # noqa: E402
 from plumbing.checkpoint import NAIVE_MODELS  # noqa: E402
@@ -73,6 +76,12 @@ def parse_args():
     p.add_argument("--kv-dtype", choices=KV_DTYPES, help="store the KV cache as this dtype "
                    "(int8, int4: quantized, scales counted in --stats); attention still runs in "
                    "--dtype (default: the model's dtype). With --score: score through the cache")
+    p.add_argument("--context-policy", choices=CONTEXT_POLICIES, default="reprefill",
+                   help="past the context: reprefill (keep the newest half, compute it again; "
+                   "any model) or sinks (keep the first --sinks tokens and the newest, move the "
+                   "rest by a rotation: Llama-family models) (default: reprefill)")
+    p.add_argument("--sinks", type=int, default=DEFAULT_SINKS,
+                   help=f"first tokens that --context-policy sinks keeps (default: {DEFAULT_SINKS})")
     p.add_argument("--no-stream", action="store_true", help="print once at the end")
     p.add_argument("--stats", action="store_true", help="timings and cache size, on stderr")
     p.add_argument("--json", action="store_true",
@@ -99,6 +108,11 @@ def parse_args():
         p.error("--kv-dtype: --no-cache keeps no cache to store; drop one of them")
     if args.compile and args.kv_dtype:
         p.error("--compile: its static step writes the model-dtype cache; drop --kv-dtype or --compile")
+    if args.context_policy == "sinks" and (args.no_cache or args.score):
+        p.error("--context-policy sinks: applies to generating through the cache; drop "
+                + ("--no-cache" if args.no_cache else "--score"))
+    if args.sinks < 0:
+        p.error(f"--sinks: must be >= 0, got {args.sinks}")
     return args
 
 
@@ -233,7 +247,8 @@ def generate(args, prompts, model, tokenizer, device):
         generation = None
     else:
         generation = Generation(model, ids, args.max_new_tokens, num_samples=args.num_samples,
-                                compile=args.compile, cache_kind=args.kv_dtype, **loop_args)
+                                compile=args.compile, cache_kind=args.kv_dtype,
+                                context_policy=args.context_policy, sinks=args.sinks, **loop_args)
         steps_out = iter(generation)
     steps, decoded, t_first = 0, 0, None
     for step_rows, step_tokens in steps_out:
@@ -292,7 +307,9 @@ def generation_stats(model, args, stats, ids, samples, steps, decoded, seconds, 
             cache_bytes_formula=nbytes,
             cache_bytes_allocated=stats.cache_bytes,
             cache_formula=formula,
-            reprefills=stats.reprefills)
+            context_policy=args.context_policy,
+            reprefills=stats.reprefills,
+            evictions=stats.evictions)
     return report
 
 
@@ -312,7 +329,9 @@ def print_stats(r):
     if "cache_bytes_allocated" in r:
         lines += [f"KV cache:            {r['cache_formula']} = {r['cache_bytes_formula']:,} B by the formula",
                   f"                     {r['cache_bytes_allocated']:,} B allocated "
-                  f"(preallocated for the whole context); {r['reprefills']} reprefills past the context"]
+                  f"(preallocated for the whole context); past the context: "
+                  + (f"{r['reprefills']} reprefills" if r["context_policy"] == "reprefill"
+                     else f"{r['evictions']} tokens evicted (sinks)")]
     else:
         lines.append("KV cache:            none (--no-cache)")
     print("\n".join(lines), file=sys.stderr)
@@ -404,6 +423,10 @@ def main():
             model.new_cache(1, args.kv_dtype)
         except ValueError as e:
             raise UserError(f"--kv-dtype {args.kv_dtype}: {e}") from None
+    try:  # sinks need rotary positions and a float cache: the model says which it has
+        check_context_policy(model, args.context_policy, args.sinks, args.kv_dtype)
+    except ValueError as e:
+        raise UserError(f"--context-policy {args.context_policy}: {e}") from None
     if not args.score:
         return generate(args, prompts, model, tokenizer, device)
     result = score(model, tokenizer, text, device, args.kv_dtype)

@@ -123,8 +123,11 @@ def cost_curves(model, shape, prompt_tokens, lengths, naive_check, reps):
 def bandwidth_floor(model, reps):
     """The fastest a batch-1 step can be: every weight matrix read once by a
     matrix-vector product (torch's own kernels), and by a plain streaming read."""
-    # wpe is left out: a step reads one row of it; wte's rows are read by lm_head, tied
-    weights = [p for name, p in model.named_parameters() if p.dim() == 2 and "wpe" not in name]
+    # embedding tables are left out (a step reads one row of each: wpe, an untied Llama's
+    # token table), but not one tied to lm_head, which reads all of it
+    lookups = {id(m.weight) for m in model.modules()
+               if isinstance(m, torch.nn.Embedding) and m.weight is not model.lm_head.weight}
+    weights = [p for p in model.parameters() if p.dim() == 2 and id(p) not in lookups]
     nbytes = sum(w.nbytes for w in weights)
     vectors = {w.size(1): torch.randn(1, w.size(1), device=w.device, dtype=w.dtype) for w in weights}
 

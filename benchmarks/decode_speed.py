@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from benchmarks.peers import (PROMPT_TOKENS, leading_matches, llama_cpp_engines, llama_greedy,
-                              random_prompt)
+from benchmarks.peers import (LLAMA_OUTTYPES, PROMPT_TOKENS, leading_matches, llama_cpp_engines,
+                              llama_greedy, random_prompt)
 from benchmarks.timing import alternate, spread, timed
 from benchmarks.weight_formats import weight_bytes_per_token
 from generation.loop import GenerationStats, synchronize
@@ -44,9 +44,12 @@ REFERENCE = "ours fp32 eager"  # greedy agreement is counted against its tokens
 BASELINE = "llama.cpp f32"     # the ratio column divides by its tokens/s
 
 
-def ours_variant(fp32_model, dtype, scheme, group_size):
-    """A copy of the fp32 model in one form (the Linear weights' column-major layout kept:
-    .to() and quantize_model copy from them)."""
+def ours_variant(fp32_model, dtype, scheme, group_size, compile):
+    """The fp32 model in one form: itself for fp32 eager (a 1B model's copy would be 5 GB
+    more), else a copy (the Linear weights' column-major layout kept: .to() and
+    quantize_model copy from them; a compiled one keeps its graph on the copy)."""
+    if (dtype, scheme, compile) == (fp32_model.lm_head.weight.dtype, None, False):
+        return fp32_model
     model = copy.deepcopy(fp32_model).to(dtype)
     return quantize_model(model, scheme, group_size) if scheme else model
 
@@ -89,7 +92,7 @@ def model_table(label, fp32_model, read_GBps, n, reps, ours, group_size, llama_e
         dtype, scheme, compile = OURS[name]
         t0 = time.perf_counter()
         try:
-            model = ours_variant(fp32_model, dtype, scheme, group_size)
+            model = ours_variant(fp32_model, dtype, scheme, group_size, compile)
             if compile:
                 compile_step(model, prompt)
         except Exception as e:  # a shape the scheme refuses; no C++ compiler for the compile
@@ -118,16 +121,19 @@ def model_table(label, fp32_model, read_GBps, n, reps, ours, group_size, llama_e
 
 
 def decode_speed(models, n, reps, floors, compile_note=None, llama_cpp_note=None,
-                 quantize=True, group_size=INT4_GROUP_SIZE):
+                 quantize=True, group_size=INT4_GROUP_SIZE, contestants=None,
+                 llama_outtypes=LLAMA_OUTTYPES):
     """The table for each of {label: fp32 model}; floors: {label: bandwidth_floor(model)},
     measured in this run. compile_note / llama_cpp_note: why the compiled row / llama.cpp's
-    rows are left out (None: they run). quantize=False leaves out int8 and int4."""
+    rows are left out (None: they run). quantize=False leaves out int8 and int4.
+    contestants: names of OURS to run (default: all those); llama_outtypes: llama.cpp's."""
     ours = [name for name, (_, scheme, compile) in OURS.items()
-            if not (compile and compile_note) and (quantize or not scheme)]
+            if not (compile and compile_note) and (quantize or not scheme)
+            and (contestants is None or name in contestants)]
     tables = []
     for label, model in models.items():
         engines = (contextlib.nullcontext({}) if llama_cpp_note is not None
-                   else llama_cpp_engines(label, model))
+                   else llama_cpp_engines(label, model, llama_outtypes))
         with engines as llama:
             tables.append(model_table(label, model, floors[label]["read_GBps"], n, reps, ours,
                                       group_size, llama))

@@ -74,15 +74,16 @@ def quantized_peer(model, tokenizer, text, position, reps, steps=8):
     (batch 1; capped by the context)."""
     try:
         import optimum.quanto  # noqa: F401  (transformers' quanto backend imports it)
-        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.cache_utils import DynamicCache, QuantizedCache
     except ImportError as e:
         return {"note": f"skipped: {e.name} is not installed (pip install transformers optimum-quanto)"}
     from export_hf import hf_config, hf_state_dict
     from generate import nats_through_cache, score_windows  # the scorer of generate.py --score
     device = model.lm_head.weight.device
-    theirs = GPT2LMHeadModel(GPT2Config(**hf_config(model.config, eot=tokenizer.eot_token)))
-    theirs.load_state_dict(hf_state_dict(model), strict=False)  # lm_head: tied to wte
+    config = hf_config(model.config, eot=tokenizer.eot_token)  # GPT-2's, or a Llama family's
+    theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    theirs.load_state_dict(hf_state_dict(model), strict=False)  # a tied lm_head: its embedding
     theirs = theirs.to(device).eval()
     caches = {  # name: (new_cache(rows), forward(tokens, cache) -> logits, extending the cache)
         "ours float32": (lambda rows: model.new_cache(rows, "float32"), lambda t, c: model(t, c)[0]),

@@ -120,12 +120,17 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="a few steps, to test the pipeline")
     parser.add_argument("--model", choices=list(MODELS), default="gpt", help="gpt: the GPT-2-style "
                         "model (default); llama: the Llama-style one, with the gpt one's tokenizer")
+    parser.add_argument("--steps", type=int, help="train exactly this many steps, however long "
+                        "they take, instead of at most 4000 in 27 minutes: the budget in steps, "
+                        "for a machine shared with other jobs (where the clock would stop early)")
     parser.add_argument("--out", type=Path, help="folder to write into (default: "
                         "checkpoints/shakespeare or checkpoints/shakespeare-llama)")
     args = parser.parse_args()
     global model_args
     model_class, config_class, model_args, out = MODELS[args.model]
     out = args.out or out
+    if args.steps:
+        max_steps, time_budget = args.steps, math.inf
     if args.smoke:
         max_steps, eval_every, warmup_steps, time_budget = 6, 3, 2, 600
     torch.set_num_threads(2)
@@ -207,6 +212,7 @@ def main():
                 tokens_seen=step * tokens_per_step, train_seconds=round(train_seconds, 1),
                 heldout_plays=["Macbeth", "The Tempest"], heldout_chars=n_chars,
                 heldout_tokens=len(heldout_data), seed=seed,
+                budget="steps" if args.steps else "27 minutes or 4000 steps",
                 autocast="bfloat16" if fast_bfloat16() else "none")
     save_checkpoint(path, model, spec, dtype=torch.float16, **meta)
     loaded, _ = load_model(NAIVE_MODELS, path)

@@ -109,7 +109,7 @@ class Generation:
         active = list(range(history.size(0)))  # the row number of each row in the batch
         try:
             for step in range(self.max_new_tokens):
-                tokens = sample(logits[:, :self.vocab_limit], **self.sampling)[:, 0]  # (batch,)
+                tokens = self.choose(logits)  # (batch,)
                 yield self.unfinished(active, tokens)
                 if step == self.max_new_tokens - 1:
                     break  # the last token needs no forward pass after it
@@ -129,6 +129,12 @@ class Generation:
         finally:  # also when the caller stops early (a stop string, end of text)
             self.stats.cache_bytes = max(self.stats.cache_bytes, cache.nbytes())
             self.stats.cache_positions = cache.length
+
+    def choose(self, logits):
+        """Each row's next token (R,) from its logits (R, V): sample.py's choice. (A caller
+        that scores a given text through the loop chooses the text's own next tokens:
+        benchmarks/context_policy.py.)"""
+        return sample(logits[:, :self.vocab_limit], **self.sampling)[:, 0]
 
     def unfinished(self, active, tokens):
         """(rows, tokens) of the rows in the batch that have not finished (with compile,
