@@ -560,7 +560,8 @@ def main():
     naive_out, naive_tps = timed_generate(naive, prompt, args.tokens, n_vocab)
     naive_name = f"{type(naive).__module__}.{type(naive).__name__}.generate"  # base_model.GPT.generate
     print(f"   without cache ({naive_name}): {naive_tps:8.1f} tokens/s")
-    print(f"   with cache    ({type(model).__name__ + '.generate':{len(naive_name)}s}): {cached_tps:8.1f} tokens/s")
+    cached_name = f"{type(model).__name__}.generate"                          # KVCacheGPT.generate
+    print(f"   with cache    ({cached_name}){' ' * (len(naive_name) - len(cached_name))}: {cached_tps:8.1f} tokens/s")
     why = "float ties in argmax" + (f", or the {args.kv_dtype} cache's rounding" if kv else "")
     print(f"   speedup: {cached_tps / naive_tps:.2f}x; same tokens: "
           f"{'yes' if torch.equal(cached_out, naive_out) else f'no ({why})'}")

@@ -12,5 +12,8 @@ them in turn; report.py prints them):
     batching.py        many different prompts decoded as one batch: aggregate tokens/s
     peers.py           the systems people use, on identical weights: transformers, llama.cpp
     kv_dtypes.py       the cache's dtypes at a long context, and transformers' quantized cache
+    llama_speed.py     a Llama-3.2-1B-shaped model beside llama.cpp f32, q8_0, q4_0 (--llama-speed)
+    context_policy.py  reprefill against sinks past the context: cost per token, bits/char
+                       (--context-policies)
     report.py          the tables, and the plot
 """

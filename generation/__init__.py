@@ -1,8 +1,9 @@
 """
 Generation: a model and prompts in, tokens out, one step at a time.
 
-    loop.py           the cached generation loop, Generation: prefill, decode_one, reprefill
-                      past the context, finished rows; every caller generates through it
+    loop.py           the cached generation loop, Generation: prefill, decode_one, past the
+                      context reprefill or (rotary models) evict, finished rows; every caller
+                      generates through it
     compiled_step.py  the decode step with shapes that never change, compiled once (--compile)
 
 generate.py is the command that drives it (text in, text out); kv_cache.py's demo, the

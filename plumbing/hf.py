@@ -24,6 +24,7 @@ import torch
 
 from plumbing.checkpoint import build_model, clean_state_dict, describe, read_checkpoint, split_checkpoint
 from plumbing.hf_llama import LLAMA_MODEL_TYPES, llama_config, llama_tokenizer
+from plumbing.hf_tokenizer import byte_to_char
 from plumbing.validation import (EOT, PYTHON_OBJECTS_PER_FILE_BYTE, CheckpointError, build_encoding,
                         check_file_fits, check_tensors, config_from_dict, named_encoding, read_json,
                         short_repr)
@@ -47,21 +48,6 @@ def swap_conv1d(state_dict):
     # (a tensor of another rank is left as it is, for the shape check to name)
     return {k: v.t().contiguous() if k.endswith(CONV1D_WEIGHTS) and v.dim() == 2 else v
             for k, v in state_dict.items()}
-
-
-def byte_to_char():
-    """GPT-2's byte -> character table for vocab.json and merges.txt. Those files are text,
-    so each of the 256 bytes gets a visible character: printable bytes stand for themselves,
-    the rest (controls, space, NBSP, soft hyphen) are moved, in order, to chr(256), chr(257)...
-    That is why a space appears as 'Ġ' (chr(288)) in GPT-2's vocabulary."""
-    table, moved = {}, 0
-    for b in range(256):
-        if chr(b).isprintable() and chr(b) != " ":
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + moved)
-            moved += 1
-    return table
 
 
 # ---------------------------------------------------------------------------- config

@@ -24,6 +24,21 @@ BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 SENTENCEPIECE_SPACE = "\u2581"  # '▁'
 
 
+def byte_to_char():
+    """GPT-2's byte -> character table for vocab.json and merges.txt. Those files are text,
+    so each of the 256 bytes gets a visible character: printable bytes stand for themselves,
+    the rest (controls, space, NBSP, soft hyphen) are moved, in order, to chr(256), chr(257)...
+    That is why a space appears as 'Ġ' (chr(288)) in GPT-2's vocabulary."""
+    table, moved = {}, 0
+    for b in range(256):
+        if chr(b).isprintable() and chr(b) != " ":
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + moved)
+            moved += 1
+    return table
+
+
 class HFTokenizer:
     """tiktoken's Encoding interface over a tokenizers.Tokenizer. bos_token_id: the token a
     text starts with when the tokenizer's config says so (None: nothing is added);
@@ -48,7 +63,6 @@ class HFTokenizer:
 
 def token_bytes_table(tokenizer, decoder, source):
     """[bytes of id 0, of id 1, ...]: each token's bytes, as the decoder would write them."""
-    from plumbing.hf import byte_to_char  # the GPT-2 byte table, shared with the GPT-2 reader
     specials = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     by_id = {}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from plumbing.checkpoint import ROOT
-from conftest import TINY_CONFIGS, run_script
+from conftest import TINY_CONFIGS, run_script, tiny_model
 from kv_cache import KVCacheGPT
 
 
@@ -99,3 +99,38 @@ def test_decode_speed_table_structure(monkeypatch):
                         quantize=False)
     rows = r["models"][0]["rows"]
     assert list(rows) == ["ours fp32 eager", "ours bf16"] and "vs_llama_cpp_f32" not in rows["ours bf16"]
+
+
+def test_context_policies_on_a_llama(tmp_path):
+    """benchmarks/context_policy.py: both policies fed the same text through the loop; the
+    sinks policy computes every position once, reprefill some twice; both losses finite and
+    close to the one-pass windows' (the same text, the same model)."""
+    from benchmarks.context_policy import context_policies
+    from conftest import byte_tokenizer
+    from test_llama_tools import tiny_llama
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    text = "ROMEO: But soft, what light through yonder window breaks? " * 4
+    r = context_policies(model, tokenizer, text, multiple=3)
+    reprefill, sinks = r["policies"]["reprefill"], r["policies"]["sinks"]
+    n = r["tokens"]
+    assert n == 3 * model.config.context_len
+    assert sinks["positions_processed"] == n and sinks["reprefills"] == 0 and sinks["evictions"] > 0
+    assert reprefill["positions_processed"] > n and reprefill["reprefills"] > 0
+    for p in (reprefill, sinks, {"bits_per_char": r["windows_bits_per_char"]}):
+        assert 0 < p["bits_per_char"] < 20
+    gpt = context_policies(tiny_model(TINY_CONFIGS[0]), tokenizer, text, 2)
+    assert "sinks" in gpt["skipped"] and "reprefill" in gpt["policies"]
+
+
+def test_llama_speed_table_on_a_tiny_shape():
+    """benchmarks/llama_speed.py's table on its tiny shape: ours fp32, int8, int4 (and
+    llama.cpp's f32, q8_0 and q4_0 when llama-cpp-python is installed), the pairs' ratios."""
+    from benchmarks.llama_speed import llama_speed
+    r = llama_speed("tiny", 4, 1, torch.device("cpu"))
+    rows = r["models"][0]["rows"]
+    assert {"ours fp32 eager", "ours int8", "ours int4"} <= set(rows)
+    if r["llama_cpp_note"] is None:
+        assert {"llama.cpp f32", "llama.cpp q8_0", "llama.cpp q4_0"} <= set(rows)
+        assert set(r["pairs"]) == {"ours fp32 eager / llama.cpp f32", "ours int8 / llama.cpp q8_0",
+                                   "ours int4 / llama.cpp q4_0"}
+        assert rows["llama.cpp f32"]["greedy_leading_same"] == 4
