@@ -88,7 +88,7 @@ def one_token(model, token, kept):
 def test_sinks_equal_streamingllm_computed_naively(kind):
     model = random_llama()
     prompt = list(range(1, 11))
-    n = 4 * CONFIG.context_len  # the cache fills after 14 tokens, then forgets one a step
+    n = 3 * CONFIG.context_len  # the cache fills after 14 tokens, then forgets one a step
     expected, _ = streaming_reference(model, prompt, n)
     stats = GenerationStats()
     ours = generate_tokens(model, [prompt], n, temperature=0, context_policy="sinks",
@@ -125,7 +125,7 @@ def test_each_row_of_a_padded_batch_evicts_as_it_would_alone():
     a token, so each row's text is the one it gets alone."""
     model = random_llama(seed=1)
     prompts = [[3], list(range(10, 22)), [7, 8, 9, 10, 11]]
-    n = 2 * CONFIG.context_len
+    n = CONFIG.context_len + 8  # the longest row evicts from its 13th token, the shortest at its 24th
     batch = generate_tokens(model, prompts, n, temperature=0, context_policy="sinks")
     for row, prompt in zip(batch, prompts):
         assert row.tolist() == streaming_reference(model, prompt, n)[0]
@@ -141,12 +141,18 @@ def eager_backend(monkeypatch):
 
 
 def test_compiled_step_evicts_the_same(eager_backend):
+    """The static step (generation/compiled_step.py) on a Llama: rotary angles from a
+    position tensor, n_kv_head heads read in groups, evictions (eager) between its steps,
+    left padding; one graph, the eager loop's tokens."""
+    from torch._dynamo.utils import counters
+    counters.clear()
     model = random_llama(seed=2)
     prompts = [[1, 2, 3], list(range(20, 29))]
-    n = 2 * CONFIG.context_len
+    n = CONFIG.context_len
     eager = generate_tokens(model, prompts, n, temperature=0, context_policy="sinks")
     compiled = generate_tokens(model, prompts, n, temperature=0, context_policy="sinks", compile=True)
     assert torch.equal(eager, compiled)
+    assert counters["stats"]["unique_graphs"] == 1 and sum(counters["recompiles"].values()) == 0
 
 
 def test_sinks_are_refused_where_they_cannot_work():
