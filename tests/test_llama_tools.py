@@ -223,3 +223,59 @@ def test_the_server_on_a_llama(ckpt):
         ids = generate_tokens(model, [tok.encode_ordinary(prompt)], 12, temperature=0,
                               vocab_limit=tok.n_vocab)[0].tolist()
         assert choice.text == tok.decode(ids)
+
+
+def test_sharded_weights_load_and_a_bad_index_is_one_line(tmp_path):
+    """--hf reads weights split into shards by an index (as every large model ships), and
+    refuses an index that names a file outside the directory or a tensor in no shard."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file, save_file
+    from plumbing.hf import load_hf_model
+    save_checkpoint(tmp_path / "c.pt", tiny_llama(seed=6), byte_tokenizer_spec())
+    assert run_script("export_hf.py", tmp_path / "c.pt", tmp_path / "hf").returncode == 0
+    state_dict = load_file(tmp_path / "hf" / "model.safetensors")
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    names = sorted(state_dict)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in shards.items():
+        save_file({k: state_dict[k] for k in keys}, tmp_path / "hf" / shard, metadata={"format": "pt"})
+    index = tmp_path / "hf" / "model.safetensors.index.json"
+    weight_map = {k: shard for shard, keys in shards.items() for k in keys}
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    model, _ = load_hf_model(CACHED_MODELS, tmp_path / "hf", report=lambda _: None)
+    idx = torch.randint(256, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], tiny_llama(seed=6)(idx)[0])
+    for bad, words in [({**weight_map, names[0]: "../c.pt"}, "is not a file name of this directory"),
+                       ({**weight_map, "model.extra.weight": shard}, "which is in none of its shards"),
+                       ({}, "no weight_map")]:
+        index.write_text(json.dumps({"weight_map": bad}))
+        with pytest.raises(CheckpointError, match=words):
+            load_hf_model(CACHED_MODELS, tmp_path / "hf", report=lambda _: None)
+
+
+def test_tokenizer_json_problems_are_one_line(tmp_path):
+    """What the tokenizer adapter cannot present as our tokenizer interface is refused in one
+    line: a decoder of another kind, a special token the vocabulary lacks, a setting of the
+    wrong type; and export_gguf.py --hf says it does not write a tokenizer.json to GGUF."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from plumbing.hf import load_hf_model
+    save_checkpoint(tmp_path / "c.pt", tiny_llama(), byte_tokenizer_spec())
+    assert run_script("export_hf.py", tmp_path / "c.pt", tmp_path / "hf").returncode == 0
+    hf = tmp_path / "hf"
+    proc = run_script("export_gguf.py", "--hf", hf, tmp_path / "x.gguf")
+    assert proc.returncode == 2 and "tokenizer.json is not written to GGUF" in proc.stderr
+    good_config = (hf / "tokenizer_config.json").read_text()
+    for config, words in [({"eos_token": "<nope>"}, "eos_token '<nope>' is not a token"),
+                          ({"add_bos_token": "yes", "bos_token": "<|endoftext|>"}, "add_bos_token must be true or false")]:
+        (hf / "tokenizer_config.json").write_text(json.dumps(config))
+        with pytest.raises(CheckpointError, match=words):
+            load_hf_model(CACHED_MODELS, hf, report=lambda _: None)
+    (hf / "tokenizer_config.json").write_text(good_config)
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordpiece.decoder = decoders.WordPiece()
+    wordpiece.save(str(hf / "tokenizer.json"))
+    with pytest.raises(CheckpointError, match="neither byte-level BPE nor SentencePiece-style BPE"):
+        load_hf_model(CACHED_MODELS, hf, report=lambda _: None)
