@@ -7,7 +7,8 @@ The cached generation loop: prompts in, one token per row per step out.
         generation.finish(row)             # end of text), it leaves before the next step
 
 Every caller generates through this one loop: generate.py, kv_cache.py's demo (through
-KVCacheGPT.generate), the benchmarks, the serving benchmark's static batches and the tests.
+the cached models' generate), the benchmarks, the serving benchmark's static batches and
+the tests.
 Its phases have names:
     prefill     the prompts in one pass (left-padded to a common length), each prompt once
                 however many samples it has

@@ -7,8 +7,9 @@ The engine: requests in, tokens out, many requests at once on one model.
                             # (from other threads) until engine.stop()
 
 Every step asks the scheduler (scheduler.py) which sequences run, feeds them through the
-unchanged KVCacheGPT.forward with a PagedCache (paged_cache.py) as their cache, samples one
-token per sequence with its own settings, and hands each request its new text. The HTTP
+unchanged forward of the cached model (KVCacheGPT or KVCacheLlama) with a PagedCache
+(paged_cache.py) as their cache, samples one token per sequence with its own settings, and
+hands each request its new text. The HTTP
 server (server.py) and the serving benchmark (benchmarks/serving.py) are two callers of
 this one loop.
 """

@@ -157,8 +157,9 @@ class BlockPool:
 
 
 class PagedCache(Cache):
-    """One forward pass's view of the pool, in kv_cache's Cache interface, so that
-    KVCacheGPT.forward runs unchanged on a batch of sequences of different lengths.
+    """One forward pass's view of the pool, in kv_cache's Cache interface, so that the
+    cached model's forward (KVCacheGPT's, KVCacheLlama's) runs unchanged on a batch of
+    sequences of different lengths.
 
     The batch is presented the way forward() already understands a batch of different
     prompts: S columns, each row right-aligned (left padding `pad`), the T new columns
