@@ -19,7 +19,8 @@ def batch_throughput(model, name, sizes, new_tokens, reps):
     vocab, c = model.config.vocab_size, model.config
     rows = {}
     for b in sizes:
-        lengths = torch.randint(8, 65, (b,), generator=g).tolist()
+        # (at most half the context, for a model whose context is short)
+        lengths = torch.randint(8, min(65, c.context_len // 2 + 1), (b,), generator=g).tolist()
         prompts = [torch.randint(vocab, (n,), generator=g).tolist() for n in lengths]
         n = min(new_tokens, c.context_len - max(lengths))  # no reprefill inside the measurement
 
