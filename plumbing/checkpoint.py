@@ -30,6 +30,7 @@ from plumbing.validation import (SHAPE_FIELDS, CheckpointError, check_archive_fi
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 BUNDLED = ROOT / "checkpoints" / "shakespeare" / "ckpt.pt"
+BUNDLED_LLAMA = ROOT / "checkpoints" / "shakespeare-llama" / "ckpt.pt"  # the Llama-style one (--ckpt)
 # The seed's lookup order when no checkpoint is named: a learner's own, then the bundled one.
 DEFAULT_CHAIN = [ROOT / "checkpoints" / "ckpt_sft.pt", ROOT / "checkpoints" / "ckpt_base.pt", BUNDLED]
 # causal masks some GPT code saves; the rotary frequencies older Llama files save

@@ -216,3 +216,26 @@ def test_llama_family_in_llama_cpp(tmp_path, name):
     finally:
         llm.close()
         exact.close()
+
+
+@pytest.mark.parametrize("prompt", ["ROMEO:\n", "JULIET:\nO"])
+def test_bundled_llama_style_model_in_llama_cpp(tmp_path, prompt):
+    """checkpoints/shakespeare-llama in llama.cpp's 'llama' architecture (q/k rows
+    interleaved for its rotary pairing, 1 key/value head): our 200 greedy tokens, and our
+    logits over a full context (f16 K/V cache, llama.cpp's default: ATOL)."""
+    from plumbing.checkpoint import BUNDLED_LLAMA
+    ours, enc = load_model(CACHED_MODELS, BUNDLED_LLAMA, report=quiet)
+    export(BUNDLED_LLAMA, tmp_path / "llama.gguf", "f32", report=quiet)
+    llm = load_llama_all_logits(tmp_path / "llama.gguf", ours.config.context_len)
+    try:
+        ids = enc.encode_ordinary(prompt)
+        with torch.no_grad():
+            mine = ours.generate(torch.tensor([ids]), GEN_TOKENS, temperature=0)[0, len(ids):].tolist()
+        assert llama_greedy(llm, ids, GEN_TOKENS) == mine
+        ids = enc.encode_ordinary(HELDOUT.read_text(encoding="utf-8"))[:ours.config.context_len]
+        with torch.no_grad():
+            diff = (ours(torch.tensor([ids]))[0][0] - llama_logits(llm, ids)).abs().max().item()
+        report("max |logit diff| bundled Llama-style f32, 256 positions", f"{diff:.2e}")
+        assert diff < ATOL
+    finally:
+        llm.close()

@@ -279,3 +279,22 @@ def test_tokenizer_json_problems_are_one_line(tmp_path):
     wordpiece.save(str(hf / "tokenizer.json"))
     with pytest.raises(CheckpointError, match="neither byte-level BPE nor SentencePiece-style BPE"):
         load_hf_model(CACHED_MODELS, hf, report=lambda _: None)
+
+
+def test_the_bundled_llama_style_model():
+    """checkpoints/shakespeare-llama: the same tokenizer as the GPT-2-style model, at most
+    half its cache bytes per token (a quarter: 1 key/value head for 4), the held-out figure
+    its build recorded within the issue's 2.30 bits/char, and cached greedy = naive greedy."""
+    from plumbing.checkpoint import BUNDLED, BUNDLED_LLAMA
+    gpt, gpt_tokenizer = load_model(CACHED_MODELS, BUNDLED, report=lambda _: None)
+    model, tokenizer = load_model(CACHED_MODELS, BUNDLED_LLAMA, report=lambda _: None)
+    assert isinstance(model, KVCacheLlama) and model.config.n_kv_head < model.config.n_head
+    text = "ROMEO:\nBut soft, what light through yonder window breaks?"
+    assert tokenizer.encode_ordinary(text) == gpt_tokenizer.encode_ordinary(text)
+    assert 2 * cache_bytes(model.config, 1) <= cache_bytes(gpt.config, 1)
+    assert model.new_cache(1).nbytes() == 3072 * model.config.context_len
+    assert torch.load(BUNDLED_LLAMA, weights_only=True)["heldout_bits_per_char"] <= 2.30
+    naive, _ = load_model(NAIVE_MODELS, BUNDLED_LLAMA, report=lambda _: None)
+    prompt = torch.tensor([tokenizer.encode_ordinary("ROMEO:\n")])
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompt, 40, temperature=0), naive.generate(prompt, 40, temperature=0))
