@@ -205,7 +205,7 @@ def main():
         text = args.kv_peer_text.read_text(encoding="utf-8")[:args.kv_peer_chars]
         r["quantized_peer"] = quantized_peer(model, tokenizer, text, args.kv_position, reps)
     if args.context_policies:
-        r["context_policies"] = context_policies(model, tokenizer, HELDOUT.read_text(encoding="utf-8"))
+        r["context_policies"] = context_policies(model, tokenizer, HELDOUT.read_text(encoding="utf-8"), reps=reps)
     if args.llama_speed:
         r["llama_speed"] = llama_speed("llama-3.2-1b", min(args.demo_tokens, 32), reps, device)
     r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

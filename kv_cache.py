@@ -105,8 +105,9 @@ class GenerationCache(Cache):
         raise NotImplementedError
 
     def map_keys(self, start, fn):
-        """Replace the keys of columns start.. of every layer, k (B, nh, length - start, hd),
-        by fn(k) (the sinks policy turns them to the positions they have moved to)."""
+        """Replace the keys of columns start.. of every layer, k (..., B, nh, length - start,
+        hd) (one layer's, or every layer's at once), by fn(k), which keeps the shape (the
+        sinks policy turns them to the positions they have moved to)."""
         raise NotImplementedError
 
     def _forget_pad(self, column):
@@ -263,9 +264,8 @@ class KVCache(GenerationCache):
         self._forget_pad(column)
 
     def map_keys(self, start, fn):
-        for layer_kv in self.kv:                       # (2, B, nh, max_len, width)
-            keys = layer_kv[0, :, :, start:self.length]
-            keys.copy_(self.format.encode(fn(self.format.decode(keys))))
+        keys = self.kv[:, 0, :, :, start:self.length]  # (n_layer, B, nh, columns, width): every layer at once
+        keys.copy_(self.format.encode(fn(self.format.decode(keys))))
 
 
 def columns_kept(column, length):

@@ -33,6 +33,8 @@ if __name__ == "__main__":  # run as a command; importing this file changes noth
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.report import fmt_spread  # noqa: E402
+from benchmarks.timing import alternate, spread  # noqa: E402
 from generation.loop import Generation, check_context_policy  # noqa: E402
 from kv_cache import CACHED_MODELS  # noqa: E402
 from plumbing.checkpoint import ROOT  # noqa: E402
@@ -61,38 +63,49 @@ class Scoring(Generation):
         return target[None]
 
 
-def policy_run(model, ids, chars, policy):
-    """One pass of the text under `policy`: its cost per token and its bits per character."""
+def policy_pass(model, ids, policy):
+    """One pass of the text under `policy`: the Scoring loop, run to the end."""
     scoring = Scoring(model, ids, context_policy=policy)
     for _ in scoring:
         pass
-    ms = [1e3 * s for s in scoring.step_seconds]
-    return {"bits_per_char": scoring.nats / math.log(2) / chars, "tokens": ids.numel() - 1,
+    return scoring
+
+
+def policy_summary(passes, chars):
+    """Bits per character (the same in every pass) and the cost per token: the steps of
+    every timed pass pooled (median, mean, 99th percentile, max), each pass's total."""
+    ms = sorted(1e3 * s for scoring in passes for s in scoring.step_seconds)
+    first = passes[0]
+    return {"bits_per_char": first.nats / math.log(2) / chars, "tokens": first.ids.numel() - 1,
             "ms_per_token": {"median": statistics.median(ms), "mean": statistics.fmean(ms),
-                             "max": max(ms), "p99": sorted(ms)[int(0.99 * (len(ms) - 1))]},
-            "total_s": sum(ms) / 1e3, "reprefills": scoring.stats.reprefills,
-            "evictions": scoring.stats.evictions,
-            "positions_processed": scoring.stats.positions_processed}
+                             "max": ms[-1], "p99": ms[int(0.99 * (len(ms) - 1))]},
+            "total_s": spread([sum(scoring.step_seconds) for scoring in passes]),
+            "reprefills": first.stats.reprefills, "evictions": first.stats.evictions,
+            "positions_processed": first.stats.positions_processed}
 
 
-def context_policies(model, tokenizer, text, multiple=4):
+def context_policies(model, tokenizer, text, multiple=4, reps=3):
     """Both policies (reprefill only for a model without rotary positions) and the one-pass
-    windows, on the first `multiple` contexts of text's tokens."""
+    windows, on the first `multiple` contexts of text's tokens; the policies take turns,
+    `reps` timed passes each after a warm-up (benchmarks.timing.alternate)."""
     from generate import score  # the command's scorer: its windows are the reference
     n = multiple * model.config.context_len
     ids = torch.tensor([tokenizer.eot_token] + tokenizer.encode_ordinary(text)[:n],
                        device=model.lm_head.weight.device)
     used = tokenizer.decode(ids[1:].tolist())
     result = {"context_len": model.config.context_len, "tokens": ids.numel() - 1,
-              "chars": len(used), "policies": {}, "skipped": {}}
+              "chars": len(used), "reps": reps, "policies": {}, "skipped": {}}
+    runs = {}
     for policy in ("reprefill", "sinks"):
         try:
             check_context_policy(model, policy, 4, None)
+            runs[policy] = lambda policy=policy: policy_pass(model, ids, policy)
         except ValueError as e:
             result["skipped"][policy] = str(e)
-            continue
-        with torch.inference_mode():
-            result["policies"][policy] = policy_run(model, ids, len(used), policy)
+    with torch.inference_mode():
+        passes = alternate(runs, reps)
+    for policy, timed in passes.items():
+        result["policies"][policy] = policy_summary(timed, len(used))
     with torch.inference_mode():
         result["windows_bits_per_char"] = score(model, tokenizer, used, ids.device)["bits_per_char"]
     return result
@@ -101,14 +114,15 @@ def context_policies(model, tokenizer, text, multiple=4):
 def print_context_policies(r, checkpoint):
     print(f"\n## Past the context: {r['tokens']} tokens ({r['chars']:,} characters) of text, "
           f"{r['tokens'] / r['context_len']:.0f}x the {r['context_len']}-token context, fed one "
-          f"token per step through the loop ({checkpoint})")
+          f"token per step through the loop ({checkpoint}); per-token times pooled over "
+          f"{r['reps']} passes each, in turns; total s median [min-max]")
     print("| policy | bits/char | ms/token median | mean | p99 | max | total s | recomputed | positions processed |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, p in r["policies"].items():
         t = p["ms_per_token"]
         recomputed = f"{p['reprefills']} reprefills" if name == "reprefill" else f"{p['evictions']} evictions, none"
         print(f"| {name} | {p['bits_per_char']:.4f} | {t['median']:.2f} | {t['mean']:.2f} | "
-              f"{t['p99']:.2f} | {t['max']:.2f} | {p['total_s']:.2f} | {recomputed} | "
+              f"{t['p99']:.2f} | {t['max']:.2f} | {fmt_spread(p['total_s'], 2)} | {recomputed} | "
               f"{p['positions_processed']:,} |")
     print(f"| one pass per window (--score) | {r['windows_bits_per_char']:.4f} | | | | | | | |")
     for name, why in r["skipped"].items():
@@ -122,13 +136,15 @@ def main():
     p.add_argument("--text", default=str(HELDOUT), help="the text (default: the held-out plays)")
     p.add_argument("--multiple", type=positive_int, default=4,
                    help="contexts of text to feed (default: 4)")
+    p.add_argument("--reps", type=positive_int, default=3,
+                   help="timed passes of each policy, in turns, after a warm-up (default: 3)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args()
     if args.json is not None:
         check_output_path(args.json, "json")
     model, tokenizer, _ = load_from_args(CACHED_MODELS, args)
     from generate import read_text
-    result = context_policies(model, tokenizer, read_text(args.text, "--text"), args.multiple)
+    result = context_policies(model, tokenizer, read_text(args.text, "--text"), args.multiple, args.reps)
     result["command"] = " ".join(["python -m benchmarks.context_policy", *sys.argv[1:]])
     print_context_policies(result, args.ckpt or args.hf or "the default checkpoint")
     if args.json:

@@ -110,7 +110,7 @@ def test_context_policies_on_a_llama(tmp_path):
     from test_llama_tools import tiny_llama
     model, tokenizer = tiny_llama(), byte_tokenizer()
     text = "ROMEO: But soft, what light through yonder window breaks? " * 4
-    r = context_policies(model, tokenizer, text, multiple=3)
+    r = context_policies(model, tokenizer, text, multiple=3, reps=1)
     reprefill, sinks = r["policies"]["reprefill"], r["policies"]["sinks"]
     n = r["tokens"]
     assert n == 3 * model.config.context_len
@@ -118,7 +118,7 @@ def test_context_policies_on_a_llama(tmp_path):
     assert reprefill["positions_processed"] > n and reprefill["reprefills"] > 0
     for p in (reprefill, sinks, {"bits_per_char": r["windows_bits_per_char"]}):
         assert 0 < p["bits_per_char"] < 20
-    gpt = context_policies(tiny_model(TINY_CONFIGS[0]), tokenizer, text, 2)
+    gpt = context_policies(tiny_model(TINY_CONFIGS[0]), tokenizer, text, 2, reps=1)
     assert "sinks" in gpt["skipped"] and "reprefill" in gpt["policies"]
 
 
