@@ -9,10 +9,10 @@ fp32 against llama.cpp f32, ours with --quantize int8 against q8_0 and int4 agai
 The model has random weights in Llama 3.2 1B's shape: 16 blocks 2048 wide, 32 query heads
 over 8 key/value heads of 64 (grouped-query attention), SwiGLU 8192 wide, 128,256 tokens with
 the output layer tied to the embedding, rope_theta 500,000 with Llama 3's rope scaling; its
-context is cut to 2048 positions (the cache is preallocated for the context, and 131,072
-would be 4 GiB of fp32 cache for nothing). llama.cpp reads the same weights from GGUF files
-that export_gguf.py writes (its 'llama' architecture; the scaling as its rope_freqs
-tensor), prompted with the same 16 token ids. The table is decode_speed.py's: tok/s of the
+context is cut to 2048 positions (the cache is preallocated for the context: 64 KiB a
+token in fp32, so 131,072 positions would be 8 GiB of cache for nothing). llama.cpp reads
+the same weights from GGUF files that export_gguf.py writes (its 'llama' architecture; the
+scaling as its rope_freqs tensor), prompted with the same 16 token ids. The table is decode_speed.py's: tok/s of the
 whole generation, each form against the floor its bytes set, greedy agreement with ours fp32.
 
 What limits it: at batch 1 a step reads every weight once (4.9 GB in fp32 with the

@@ -2,7 +2,7 @@
 tokenizers (nothing downloaded): LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and
 Qwen3ForCausalLM, each with one of the two tokenizer kinds these models ship (byte-level BPE
 as Llama 3 and Qwen do, SentencePiece-style BPE with byte fallback as Llama 2 does).
-Shared by test_llama.py, test_sinks.py, test_llama_export.py and test_llama_cpp.py."""
+Used by test_llama.py."""
 
 import torch
 

@@ -94,4 +94,3 @@ def test_inductor_compiles_once_and_matches_eager():
     assert torch.equal(greedy(model, prompts, 40, compile=True), greedy(model, prompts, 40))
     assert counters["stats"]["unique_graphs"] == 1 and sum(counters["recompiles"].values()) == 0
     torch._dynamo.reset()
-
