@@ -10,6 +10,10 @@ nothing in the chat path knows the model family (the Llama family's own test is 
 with those models)."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -24,7 +28,7 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from base_model import GPTConfig  # noqa: E402
-from conftest import byte_tokenizer_spec, tiny_model  # noqa: E402
+from conftest import ROOT, byte_tokenizer_spec, run_script, tiny_model  # noqa: E402
 from generation.loop import generate_tokens  # noqa: E402
 from plumbing.validation import encoding_from_spec  # noqa: E402
 from serving.chat import ChatTemplate, template_from_hf_dir  # noqa: E402
@@ -254,7 +258,8 @@ def test_the_templates_end_of_turn_is_found_by_rendering_it(tmp_path):
     assert ChatTemplate(TEMPLATE, TOKENIZER).end_of_turn_ids == (END,)
     eot_only = "{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}"
     assert ChatTemplate(eot_only, TOKENIZER).end_of_turn_ids == (256,)
-    assert ChatTemplate("{% for m in messages %}{{ m.content }}\n{% endfor %}", TOKENIZER).end_of_turn_ids == ()
+    no_marker = "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+    assert ChatTemplate(no_marker, TOKENIZER).end_of_turn_ids == ()
     # a Hugging Face directory's tokenizer_config.json, its bos/eos strings with it
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}",
@@ -375,7 +380,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {**CHAT, "temperature": 3}, "temperature", "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "n": 0}, "n", "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "stream_options": "x"}, "stream_options", "invalid_type"),
-    ("/v1/chat/completions", {**CHAT, "add_generation_prompt": "no"}, "add_generation_prompt", "invalid_type"),
+    ("/v1/chat/completions", {**CHAT, "add_generation_prompt": "no"}, "add_generation_prompt",
+     "invalid_type"),
     ("/v1/chat/completions", b"{not json", None, None),
     ("/tokenize", {"prompt": 5}, "prompt", "invalid_type"),
     ("/tokenize", {"messages": [{"role": "user"}]}, "messages", "invalid_type"),
@@ -406,3 +412,53 @@ def test_no_block_is_left_out_of_the_pool(engine):
     """Last: after everything above (streams, echo, chat, refusals), the pool is whole."""
     assert_idle(engine)
     assert not any(engine.pool.ref_count)
+
+
+# ---------------------------------------------------------------------------- serve.py's flags
+
+def test_serve_py_takes_the_key_from_the_environment_and_never_prints_it(tiny_ckpt, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE.replace("<|end|>", "<|endoftext|>"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVCACHE_API_KEY": KEY}
+    process = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--ckpt", str(tiny_ckpt),
+                                "--port", "0", "--device", "cpu", "--attention", "gather",
+                                "--chat-template", str(template)],
+                               cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in process.stderr:
+            lines.append(line)
+            if line.startswith("serving "):
+                url = line.split()[3]
+                break
+        else:
+            raise AssertionError("serve.py ended without serving: " + "".join(lines))
+        assert "API key required" in lines[-1] and "a turn ends at <|endoftext|>" in "".join(lines)
+        assert http(url, "/v1/models")[0] == 401
+        client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60)
+        r = client.chat.completions.create(model="kvcache-gpt", max_tokens=3,
+                                           messages=[{"role": "user", "content": "Hi"}])
+        assert r.choices[0].message.role == "assistant"
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 130
+        assert KEY not in "".join(lines) + process.stderr.read()
+    finally:
+        process.kill()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--api-key", ""], "--api-key (or $KVCACHE_API_KEY) is empty"),
+    (["--chat-template", "no/such/file.jinja"], "--chat-template: no/such/file.jinja: cannot read it"),
+    (["--context-policy", "sinks"], "--context-policy: invalid choice"),
+])
+def test_serve_py_bad_new_flags_exit_2_with_one_line(tiny_ckpt, args, message, tmp_path):
+    result = run_script("serve.py", "--ckpt", tiny_ckpt, "--device", "cpu", "--port", "0", *args)
+    assert result.returncode == 2 and message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_template_that_is_not_jinja_is_one_line(tiny_ckpt, tmp_path):
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    result = run_script("serve.py", "--ckpt", tiny_ckpt, "--device", "cpu", "--chat-template", bad)
+    assert result.returncode == 2 and "not a Jinja template" in result.stderr
