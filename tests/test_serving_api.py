@@ -211,6 +211,15 @@ def test_chat_plain_streamed_n_and_stop(client, model, engine):
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == expected
     assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 10
 
+    def logprobs(**kw):  # each token's logprob, whole or gathered from a stream's chunks
+        r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10,
+                                           temperature=0, logprobs=True, top_logprobs=1, **kw)
+        chunks = list(r) if kw.get("stream") else [r]
+        return [(c.token, c.logprob) for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    whole = logprobs()
+    assert len(whole) == 10 and logprobs(stream=True) == whole
+
     texts = [c.message.content for c in client.chat.completions.create(
         model=NAME, messages=messages, max_tokens=12, n=3, seed=7, temperature=1.0).choices]
     assert len(set(texts)) == 3
