@@ -59,7 +59,7 @@ UNSUPPORTED = {      # fields we do not implement, and the value that means "not
 CHAT_UNSUPPORTED = {  # the same for chat: no tools, no structured output, text only
     **{k: v for k, v in UNSUPPORTED.items() if k not in ("best_of", "suffix")},
     "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-    "response_format": None, "audio": None, "prediction": None,
+    "response_format": {"type": "text"}, "audio": None, "prediction": None,
 }
 OPEN_PATHS = ("/health",)  # answered without the API key
 CONTEXT_POLICIES = ("error", "reprefill")

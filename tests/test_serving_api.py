@@ -221,7 +221,8 @@ def test_chat_plain_streamed_n_and_stop(client, model, engine):
     assert len(whole) == 10 and logprobs(stream=True) == whole
 
     texts = [c.message.content for c in client.chat.completions.create(
-        model=NAME, messages=messages, max_tokens=12, n=3, seed=7, temperature=1.0).choices]
+        model=NAME, messages=messages, max_tokens=12, n=3, seed=7, temperature=1.0,
+        response_format={"type": "text"}).choices]  # plain text: the one format there is
     assert len(set(texts)) == 3
 
     stop = expected[3:5]
@@ -381,6 +382,8 @@ BAD_REQUESTS = [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages", "unsupported_parameter"),
     ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, "model", "model_not_found"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format",
+     "unsupported_parameter"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens", "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, "max_completion_tokens", "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "logprobs": "yes"}, "logprobs", "invalid_type"),
