@@ -18,10 +18,14 @@ step.
 
 Bad requests get HTTP 400 and OpenAI's error object:
     {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}
+So does every body before any endpoint reads it (read_body: compressed, not JSON, nested
+too deep: 400 or 415), and a request past the admission limits (admission.py: 400 naming
+the limit, or 429 with Retry-After when the waiting queue is full).
 """
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import traceback
@@ -29,10 +33,13 @@ import uuid
 
 from aiohttp import web
 
+from plumbing.user_text import TextError, encode_text, longest_token_bytes
+from serving.admission import Overloaded, RequestTooLarge
 from serving.engine import SamplingParams
 
 MAX_N = 128          # samples per prompt
 MAX_STOPS = 4        # as OpenAI
+MAX_JSON_DEPTH = 64  # a real request nests 3 to 6 deep; 1,000 deep broke json.loads itself
 UNSUPPORTED = {      # fields we do not implement, and the value that means "not used"
     "logprobs": None, "echo": False, "best_of": 1, "suffix": None,
     "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
@@ -44,9 +51,9 @@ class EngineFailed(Exception):
 
 
 class BadRequest(Exception):
-    def __init__(self, message, param=None, code=None):
+    def __init__(self, message, param=None, code=None, status=400):
         super().__init__(message)
-        self.param, self.code = param, code
+        self.param, self.code, self.status = param, code, status
 
 
 def error_response(status, message, param=None, code=None, kind="invalid_request_error"):
@@ -59,8 +66,12 @@ async def openai_errors(request, handler):
     """Every failure as OpenAI's error object; nothing a client sends can stop the server."""
     try:
         return await handler(request)
-    except BadRequest as e:
-        return error_response(400, str(e), e.param, e.code)
+    except (BadRequest, RequestTooLarge) as e:
+        return error_response(e.status if isinstance(e, BadRequest) else 400, str(e), e.param, e.code)
+    except Overloaded as e:
+        response = error_response(429, str(e), kind="rate_limit_error", code="server_busy")
+        response.headers["Retry-After"] = str(e.retry_after)
+        return response
     except web.HTTPException as e:  # unknown path (404), wrong method (405), body too large (413)
         if e.status < 400:
             raise
@@ -75,6 +86,56 @@ async def openai_errors(request, handler):
 
 
 # ---------------------------------------------------------------------------- reading a request
+
+@web.middleware
+async def read_body(request, handler):
+    """Every POST body, read and parsed before any endpoint sees it: request["body"] is
+    JSON nested at most MAX_JSON_DEPTH deep. Refused: a compressed body (aiohttp's own
+    decompression is off: a corrupt gzip body was a 500, brotli a plain-text 400), one
+    that cannot be read (a broken chunked encoding), one that is not JSON."""
+    if request.method != "POST" or request.match_info.http_exception is not None:
+        return await handler(request)  # not a POST, or no such endpoint (404, 405)
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise BadRequest(f"Content-Encoding {encoding[:40]!r} is not supported: send the body "
+                         "uncompressed", code="unsupported_content_encoding", status=415)
+    try:
+        data = await request.read()
+    except web.HTTPException:
+        raise  # too large (413): openai_errors answers it
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:  # aiohttp's payload errors: a chunked body cut or malformed
+        raise BadRequest(f"the request body could not be read ({type(e).__name__})") from None
+    try:
+        request["body"] = json.loads(data)
+    except RecursionError:
+        raise BadRequest(f"the request body is nested more than {MAX_JSON_DEPTH} deep") from None
+    except ValueError as e:  # also bad UTF-8
+        raise BadRequest(f"the request body is not valid JSON ({str(e)[:100]})") from None
+    if nested_deeper_than(request["body"], MAX_JSON_DEPTH):
+        raise BadRequest(f"the request body is nested more than {MAX_JSON_DEPTH} deep")
+    return await handler(request)
+
+
+def nested_deeper_than(value, limit):
+    """Whether a parsed JSON value has lists or objects nested more than limit deep (a
+    loop, not recursion: the value may be ~1,000 deep)."""
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (list, dict)):
+            if depth > limit:
+                return True
+            stack.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+    return False
+
+
+def shown(value):
+    """A client's value in an error message: JSON, cut to a few dozen characters."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
 
 def is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)  # JSON true is not a number
@@ -92,10 +153,10 @@ def number(body, name, default, low, high, integer=False, low_open=False):
         return default
     kind = "an integer" if integer else "a number"
     if not (is_int(value) if integer else is_number(value)):
-        raise BadRequest(f"'{name}' must be {kind}, got {json.dumps(value)}", name, "invalid_type")
+        raise BadRequest(f"'{name}' must be {kind}, got {shown(value)}", name, "invalid_type")
     if value != value or value > high or (value <= low if low_open else value < low):
         interval = f"{'(' if low_open else '['}{low}, {high}]"
-        raise BadRequest(f"'{name}' must be in {interval}, got {value}", name, "invalid_value")
+        raise BadRequest(f"'{name}' must be in {interval}, got {shown(value)}", name, "invalid_value")
     return value
 
 
@@ -104,7 +165,7 @@ def flag(body, name):
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise BadRequest(f"'{name}' must be true or false, got {json.dumps(value)}", name, "invalid_type")
+        raise BadRequest(f"'{name}' must be true or false, got {shown(value)}", name, "invalid_type")
     return value
 
 
@@ -120,10 +181,10 @@ def stop_strings(body):
     return tuple(stop)
 
 
-def prompt_ids(body, tokenizer, context):
-    """The prompts as lists of token ids: a string, a list of strings, a list of token ids,
-    or a list of such lists (OpenAI's four forms). An empty string starts from the
-    end-of-text token, as generate.py does."""
+def prompt_list(body):
+    """The prompts of the request, each a string or a list of token ids: 'prompt' is a
+    string, a list of strings, a list of token ids, or a list of such lists (OpenAI's four
+    forms)."""
     prompt = body.get("prompt")
     if prompt is None:
         raise BadRequest("'prompt' is required", "prompt", "missing_required_parameter")
@@ -133,31 +194,50 @@ def prompt_ids(body, tokenizer, context):
             isinstance(p, str) or (isinstance(p, list) and p and all(map(is_int, p))) for p in prompt)):
         raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or "
                          "a list of lists of token ids, and not empty", "prompt", "invalid_type")
-    prompts = []
-    for p in prompt:
+    return prompt
+
+
+def prompt_ids(prompts, tokenizer, context, limits):
+    """The prompts as lists of token ids, each within the context and all together within
+    the request's prompt tokens (limits), checked as they are encoded. An empty string
+    starts from the end-of-text token, as generate.py does. A string with more characters
+    than the context's tokens could ever hold is refused before it is encoded."""
+    longest = longest_token_bytes(tokenizer)  # a character is at least one byte
+    ids, total = [], 0
+    for p in prompts:
         if isinstance(p, str):
-            p = tokenizer.encode_ordinary(p) or [tokenizer.eot_token]
+            if longest is not None and len(p) > context * longest:
+                raise BadRequest(f"This model's maximum context length is {context} tokens; the "
+                                 f"prompt has more", "prompt", "context_length_exceeded")
+            try:
+                p = encode_text(tokenizer, p) or [tokenizer.eot_token]
+            except TextError as e:
+                raise BadRequest(f"'prompt': {e}", "prompt", "invalid_value") from None
         elif not all(0 <= t < tokenizer.n_vocab for t in p):
             raise BadRequest(f"token ids must be in [0, {tokenizer.n_vocab})", "prompt", "invalid_value")
         if len(p) > context:
             raise BadRequest(f"This model's maximum context length is {context} tokens; "
                              f"the prompt has {len(p)}", "prompt", "context_length_exceeded")
-        prompts.append(p)
-    return prompts
+        total += len(p)
+        limits.check_prompt_tokens(total)
+        ids.append(p)
+    return ids
 
 
-def parse_completion(body, tokenizer, context, model_name):
-    """(prompts, [SamplingParams for each of the n samples], stream, include_usage)."""
+def parse_completion(body, tokenizer, context, model_name, limits):
+    """(prompts as token ids, [SamplingParams for each of the n samples], stream,
+    include_usage). The request's size is held to the admission limits (admission.py)
+    before its prompts are encoded."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model = body.get("model", model_name)
     if model != model_name:
-        raise BadRequest(f"The model '{model}' does not exist; this server serves '{model_name}'",
+        raise BadRequest(f"The model {shown(model)} does not exist; this server serves '{model_name}'",
                          "model", "model_not_found")
     for name, unused in UNSUPPORTED.items():
         if body.get(name, unused) not in (unused, None):
             raise BadRequest(f"'{name}' is not supported by this server", name, "unsupported_parameter")
-    prompts = prompt_ids(body, tokenizer, context)
+    prompts = prompt_list(body)
     top_k = number(body, "top_k", None, -1, 10**9, integer=True)
     if top_k == 0:
         raise BadRequest("'top_k' must be -1 (off) or >= 1, got 0", "top_k", "invalid_value")
@@ -169,12 +249,16 @@ def parse_completion(body, tokenizer, context, model_name):
                 top_p=None if top_p == 1 else top_p,
                 stop=stop_strings(body), stop_at_eot=not flag(body, "ignore_eos"))
     n = number(body, "n", 1, 1, MAX_N, integer=True)
-    # sample i of n draws from seed + i: n different texts, each reproducible
-    samples = [SamplingParams(**base, seed=None if seed is None else seed + i) for i in range(n)]
     options = body.get("stream_options")
     options = {} if options is None else options
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options", "invalid_type")
+    sequences = len(prompts) * n
+    limits.check_sequences(len(prompts), n)  # before any work: encoding, sampling state
+    limits.check_new_tokens(sequences * base["max_tokens"], sequences)
+    # sample i of n draws from seed + i: n different texts, each reproducible
+    samples = [SamplingParams(**base, seed=None if seed is None else seed + i) for i in range(n)]
+    prompts = prompt_ids(prompts, tokenizer, context, limits)
     return prompts, samples, flag(body, "stream"), flag(options, "include_usage")
 
 
@@ -187,7 +271,7 @@ class CompletionServer:
         self.created = int(time.time())
 
     def app(self):
-        app = web.Application(middlewares=[openai_errors])
+        app = web.Application(middlewares=[openai_errors, read_body])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
@@ -202,12 +286,11 @@ class CompletionServer:
             "owned_by": "kvcache-gpt", "max_model_len": self.context}]})
 
     async def completions(self, request):
-        try:
-            body = json.loads(await request.read())
-        except ValueError as e:  # also bad UTF-8
-            raise BadRequest(f"the request body is not valid JSON ({e})") from None
-        prompts, samples, stream, include_usage = parse_completion(
-            body, self.tokenizer, self.context, self.model_name)
+        # encoded on a worker thread (tiktoken lets go of the interpreter lock): a long
+        # prompt must not hold up /health and every other client
+        prompts, samples, stream, include_usage = await asyncio.to_thread(
+            parse_completion, request["body"], self.tokenizer, self.context, self.model_name,
+            self.engine.limits)
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
 
         def on_output(engine_request, output):  # the engine's thread
@@ -216,8 +299,9 @@ class CompletionServer:
             except RuntimeError:
                 pass  # the event loop has closed: the server is shutting down
 
-        # choice index = prompt index * n + sample index, as OpenAI numbers them
-        choices = [self.engine.add_request(p, params, on_output) for p in prompts for params in samples]
+        # choice index = prompt index * n + sample index, as OpenAI numbers them (submit's
+        # order); all or nothing, past the admission limits nothing (RequestTooLarge, Overloaded)
+        choices = self.engine.submit(prompts, samples, on_output)
         index = {id(r): i for i, r in enumerate(choices)}
         reply = Reply(self, choices, index, outputs, sum(map(len, prompts)))
         try:
@@ -297,11 +381,25 @@ class Reply:
 
 # ---------------------------------------------------------------------------- running it
 
+class OneLineErrors(logging.Filter):
+    """aiohttp logs a request that is not HTTP (a malformed line or header, which it answers
+    with a plain 400 itself) with a traceback: one line per such request is enough."""
+
+    def filter(self, record):
+        if record.exc_info:
+            error = record.exc_info[1]
+            record.msg = f"{record.getMessage()}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            record.args, record.exc_info, record.exc_text = None, None, None
+        return True
+
+
 async def start(engine, tokenizer, model_name, host, port):
     """Start the HTTP server; returns (runner, port bound). The engine runs elsewhere."""
+    logging.getLogger("aiohttp.server").addFilter(OneLineErrors())
     runner = web.AppRunner(CompletionServer(engine, tokenizer, model_name).app(),
                            handler_cancellation=True,  # a client that leaves cancels its handler
                            access_log=None,
+                           auto_decompress=False,  # read_body refuses compressed bodies itself
                            shutdown_timeout=2.0)  # on close, what still runs gets 2 s, not 60
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -336,7 +434,8 @@ class BackgroundServer:
         except BaseException:
             self.close()
             raise
-        return f"http://{self.args[3]}:{port}/v1"
+        host = self.args[3]
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"  # IPv6 in brackets
 
     def close(self):
         """Close every connection and end the thread. Handlers still waiting for the
