@@ -40,6 +40,7 @@ from serving.engine import SamplingParams
 MAX_N = 128          # samples per prompt
 MAX_STOPS = 4        # as OpenAI
 MAX_JSON_DEPTH = 64  # a real request nests 3 to 6 deep; 1,000 deep broke json.loads itself
+BODY = web.RequestKey("body", object)  # request[BODY]: the parsed JSON body (read_body)
 UNSUPPORTED = {      # fields we do not implement, and the value that means "not used"
     "logprobs": None, "echo": False, "best_of": 1, "suffix": None,
     "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
@@ -89,7 +90,7 @@ async def openai_errors(request, handler):
 
 @web.middleware
 async def read_body(request, handler):
-    """Every POST body, read and parsed before any endpoint sees it: request["body"] is
+    """Every POST body, read and parsed before any endpoint sees it: request[BODY] is
     JSON nested at most MAX_JSON_DEPTH deep. Refused: a compressed body (aiohttp's own
     decompression is off: a corrupt gzip body was a 500, brotli a plain-text 400), one
     that cannot be read (a broken chunked encoding), one that is not JSON."""
@@ -108,12 +109,12 @@ async def read_body(request, handler):
     except Exception as e:  # aiohttp's payload errors: a chunked body cut or malformed
         raise BadRequest(f"the request body could not be read ({type(e).__name__})") from None
     try:
-        request["body"] = json.loads(data)
+        request[BODY] = json.loads(data)
     except RecursionError:
         raise BadRequest(f"the request body is nested more than {MAX_JSON_DEPTH} deep") from None
     except ValueError as e:  # also bad UTF-8
         raise BadRequest(f"the request body is not valid JSON ({str(e)[:100]})") from None
-    if nested_deeper_than(request["body"], MAX_JSON_DEPTH):
+    if nested_deeper_than(request[BODY], MAX_JSON_DEPTH):
         raise BadRequest(f"the request body is nested more than {MAX_JSON_DEPTH} deep")
     return await handler(request)
 
@@ -289,7 +290,7 @@ class CompletionServer:
         # encoded on a worker thread (tiktoken lets go of the interpreter lock): a long
         # prompt must not hold up /health and every other client
         prompts, samples, stream, include_usage = await asyncio.to_thread(
-            parse_completion, request["body"], self.tokenizer, self.context, self.model_name,
+            parse_completion, request[BODY], self.tokenizer, self.context, self.model_name,
             self.engine.limits)
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
 
