@@ -199,9 +199,9 @@ def read_prompts(args):
 
 def parse_prompts_file(text, path):
     """JSON Lines: per line a JSON string, or an object with a "prompt" string (so other
-    fields may ride along). Lines end at "\n" only, as JSON Lines says (splitlines() would
+    fields may ride along). Lines end at "\\n" only, as JSON Lines says (splitlines() would
     also cut at U+2028, U+0085 or a vertical tab, which a JSON string may hold); blank
-    lines are skipped; a JSON string may hold newlines as \n."""
+    lines are skipped; a JSON string may hold newlines as \\n."""
     prompts = []
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():

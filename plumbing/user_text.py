@@ -62,11 +62,11 @@ def encode_text(tokenizer, text, safe_run=SAFE_RUN):
     return ids
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def long_whitespace(safe_run):
     # Python's \s is a superset of the Unicode White_Space that tiktoken's \s means, so no
     # run that could fail is missed
-    return re.compile(r"\s{%d}" % safe_run)
+    return re.compile(rf"\s{{{safe_run}}}")
 
 
 @functools.lru_cache(maxsize=8)

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from kv_quant import cache_bytes, dtype_name
-from plumbing.validation import available_memory, format_bytes
 from sample import check_sampling_args, sample
 from serving.admission import Limits
 from serving.paged_attention import paged_decode_attention
@@ -98,6 +97,7 @@ def default_num_blocks(config, tokens_per_block, max_batch, kv_dtype):
 
 def check_pool_fits(config, num_blocks, tokens_per_block, kv_dtype):
     """Refuse, before allocating it, a pool larger than the memory left (ValueError)."""
+    from plumbing.validation import available_memory, format_bytes  # the loaders' memory rule
     needed = cache_bytes(config, (num_blocks + 1) * tokens_per_block, 1, kv_dtype)  # + the null block
     available = available_memory()
     if needed > available:

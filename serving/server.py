@@ -67,8 +67,10 @@ async def openai_errors(request, handler):
     """Every failure as OpenAI's error object; nothing a client sends can stop the server."""
     try:
         return await handler(request)
-    except (BadRequest, RequestTooLarge) as e:
-        return error_response(e.status if isinstance(e, BadRequest) else 400, str(e), e.param, e.code)
+    except BadRequest as e:
+        return error_response(e.status, str(e), e.param, e.code)
+    except RequestTooLarge as e:  # past a per-request admission limit
+        return error_response(400, str(e), e.param, e.code)
     except Overloaded as e:
         response = error_response(429, str(e), kind="rate_limit_error", code="server_busy")
         response.headers["Retry-After"] = str(e.retry_after)
@@ -389,14 +391,17 @@ class OneLineErrors(logging.Filter):
     def filter(self, record):
         if record.exc_info:
             error = record.exc_info[1]
-            record.msg = f"{record.getMessage()}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            what = " ".join(str(getattr(error, "message", None) or error).split())[:120]
+            record.msg = f"{record.getMessage()}: {type(error).__name__}: {what}"
             record.args, record.exc_info, record.exc_text = None, None, None
         return True
 
 
 async def start(engine, tokenizer, model_name, host, port):
     """Start the HTTP server; returns (runner, port bound). The engine runs elsewhere."""
-    logging.getLogger("aiohttp.server").addFilter(OneLineErrors())
+    log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, OneLineErrors) for f in log.filters):
+        log.addFilter(OneLineErrors())
     runner = web.AppRunner(CompletionServer(engine, tokenizer, model_name).app(),
                            handler_cancellation=True,  # a client that leaves cancels its handler
                            access_log=None,

@@ -221,9 +221,11 @@ def test_a_trillion_samples_are_refused_before_any_work():
     assert "Traceback" not in proc.stderr
 
 
-def test_score_of_a_million_spaces_and_a_line(tmp_path):
-    """tiktoken alone panics on a million whitespace characters (plumbing/user_text.py)."""
+def test_a_prompt_file_of_a_million_spaces(tmp_path):
+    """tiktoken alone panics on a million whitespace characters (plumbing/user_text.py, which
+    --score and --prompts-file use too); the prompt keeps its last context_len tokens."""
     path = tmp_path / "spaces.txt"
-    path.write_text(" " * 1_000_000 + "ROMEO:\n", encoding="utf-8")
-    out = json.loads(generate("--score", str(path), "--json").stdout)
-    assert out["chars"] == 1_000_007 and out["tokens"] >= 1_000_000
+    path.write_text(" " * 1_000_000 + "ROMEO:", encoding="utf-8")
+    proc = generate("--prompt-file", str(path), "--max-new-tokens", "2", "--json")
+    assert json.loads(proc.stdout)["stats"]["prompt_tokens"] == [BLOCK_SIZE]
+    assert "keeping its last 256" in proc.stderr
