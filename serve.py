@@ -64,14 +64,14 @@ def add_limit_args(p):
     group = p.add_argument_group("admission limits", "a request past a per-request limit gets "
                                  "HTTP 400 naming it; one that would queue more than --max-waiting "
                                  "sequences gets HTTP 429 with Retry-After")
-    group.add_argument("--max-request-sequences", type=positive_int, default=d.max_sequences,
+    group.add_argument("--max-request-sequences", type=positive_int, metavar="N", default=d.max_sequences,
                        help=f"prompts x n in one request (default: {d.max_sequences})")
-    group.add_argument("--max-request-prompt-tokens", type=positive_int, default=d.max_prompt_tokens,
+    group.add_argument("--max-request-prompt-tokens", type=positive_int, metavar="N", default=d.max_prompt_tokens,
                        help=f"prompt tokens of one request, its prompts together (default: {d.max_prompt_tokens})")
-    group.add_argument("--max-request-tokens", type=positive_int, default=d.max_new_tokens,
+    group.add_argument("--max-request-tokens", type=positive_int, metavar="N", default=d.max_new_tokens,
                        help="tokens one request may ask to generate, max_tokens x prompts x n "
                        f"(default: {d.max_new_tokens})")
-    group.add_argument("--max-waiting", type=positive_int, default=d.max_waiting,
+    group.add_argument("--max-waiting", type=positive_int, metavar="N", default=d.max_waiting,
                        help=f"sequences waiting for a place in the batch, all requests together (default: {d.max_waiting})")
 
 

@@ -119,6 +119,10 @@ CASES = [  # (script, args, what the error line must mention)
     ("memory_plan.py", ["--memory", "0"], "--memory"),
     ("memory_plan.py", ["--kv-dtypes", "int8,int8"], "int8 given twice"),
     ("memory_plan.py", ["--kv-dtypes", ""], "--kv-dtypes"),
+    ("serve.py", ["--host", ""], "--host is empty"),
+    ("serve.py", ["--max-waiting", "5"], "--max-waiting (5) must be at least"),
+    ("serve.py", ["--ckpt", "{d}/tiny.pt", "--num-blocks", "1000000000"], "would need"),
+    ("serve.py", ["--ckpt", "{d}/tiny.pt", "--tokens-per-block", "1000000000"], "would need"),
 ]
 if importlib.util.find_spec("matplotlib") is None:  # found before the run, not after it
     CASES.append(("benchmark.py", ["--quick", "--plot", "{d}/new.png"], "needs matplotlib"))
