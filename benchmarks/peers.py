@@ -22,7 +22,7 @@ import torch
 
 from benchmarks.timing import repeat, spread
 from generation.loop import synchronize
-from plumbing.outputs import write_failure
+from plumbing.outputs import signals_raise, write_failure
 from plumbing.script import UserError
 
 PROMPT_TOKENS = 16
@@ -152,7 +152,8 @@ def llama_cpp_engines(label, model, outtypes=LLAMA_OUTTYPES):
     a step reads, the seconds export and load took)}, in a temporary folder that goes, with
     the engines, when the block ends. model: the fp32 weights. CPU only, torch's thread count."""
     from export_gguf import write_gguf
-    with tempfile.TemporaryDirectory() as folder:
+    # SIGTERM meanwhile raises, so that the folder and its GGUF files still go (outputs.py)
+    with signals_raise(), tempfile.TemporaryDirectory() as folder:
         engines = {}
         try:
             for outtype in outtypes:
