@@ -26,6 +26,7 @@ if __name__ == "__main__":  # run as a command; importing this file changes noth
 
 from kv_cache import KVCacheGPT  # noqa: E402
 from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
+from serving.admission import Limits  # noqa: E402
 
 API_KEY_VARIABLE = "KVCACHE_API_KEY"
 
@@ -66,12 +67,41 @@ def parse_args():
                    "refuses it with a 400 naming both, as OpenAI and vLLM do (default); "
                    "'reprefill' accepts it and keeps going past the context, keeping the newest "
                    "half (docs/generation.md, past the context)")
+    add_limit_args(p)
     args = p.parse_args()
     if args.api_key == "":
         p.error(f"--api-key (or ${API_KEY_VARIABLE}) is empty; give a key or leave it unset")
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be in 0..65535, got {args.port}")
+    if not args.host.strip():
+        p.error("--host is empty (an unset shell variable?); 127.0.0.1 listens on this machine "
+                "only, 0.0.0.0 on every interface")
+    if args.max_waiting < args.max_request_sequences:
+        p.error(f"--max-waiting ({args.max_waiting}) must be at least --max-request-sequences "
+                f"({args.max_request_sequences}), or the largest request allowed could never wait")
     return args
+
+
+def add_limit_args(p):
+    """The admission limits (serving/admission.py): what one request may ask, how much may wait."""
+    d = Limits()
+    group = p.add_argument_group("admission limits", "a request past a per-request limit gets "
+                                 "HTTP 400 naming it; one that would queue more than --max-waiting "
+                                 "sequences gets HTTP 429 with Retry-After")
+    group.add_argument("--max-request-sequences", type=positive_int, metavar="N", default=d.max_sequences,
+                       help=f"prompts x n in one request (default: {d.max_sequences})")
+    group.add_argument("--max-request-prompt-tokens", type=positive_int, metavar="N", default=d.max_prompt_tokens,
+                       help=f"prompt tokens of one request, its prompts together (default: {d.max_prompt_tokens})")
+    group.add_argument("--max-request-tokens", type=positive_int, metavar="N", default=d.max_new_tokens,
+                       help="tokens one request may ask to generate, max_tokens x prompts x n "
+                       f"(default: {d.max_new_tokens})")
+    group.add_argument("--max-waiting", type=positive_int, metavar="N", default=d.max_waiting,
+                       help=f"sequences waiting for a place in the batch, all requests together (default: {d.max_waiting})")
+
+
+def limits_from_args(args):
+    return Limits(max_sequences=args.max_request_sequences, max_prompt_tokens=args.max_request_prompt_tokens,
+                  max_new_tokens=args.max_request_tokens, max_waiting=args.max_waiting)
 
 
 def main():
@@ -94,9 +124,11 @@ def main():
     try:
         engine = Engine(model, tokenizer, num_blocks=args.num_blocks,
                         tokens_per_block=args.tokens_per_block, max_batch=args.max_batch,
-                        max_prefill_tokens=args.max_prefill_tokens, attention=args.attention)
-    except ValueError as e:
-        raise UserError(f"--num-blocks: {e}") from None
+                        max_prefill_tokens=args.max_prefill_tokens, attention=args.attention,
+                        limits=limits_from_args(args))
+    except ValueError as e:  # before anything is allocated: a pool too small or too large
+        raise UserError(f"--num-blocks {args.num_blocks or '(default)'}, --tokens-per-block "
+                        f"{args.tokens_per_block}: {e}") from None
     pool = engine.pool
     contexts = pool.num_blocks * pool.tokens_per_block / model.config.context_len
     print(f"KV pool: {pool.num_blocks} blocks of {pool.tokens_per_block} positions, "
@@ -112,7 +144,8 @@ def main():
     try:
         url = server.open()  # HTTP on its own thread ...
     except OSError as e:
-        raise UserError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); "
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        raise UserError(f"cannot listen on {host}:{args.port} ({e.strerror or e}); "
                         "choose another --port or --host") from None
     try:
         extras = ", API key required" if args.api_key else ""  # never the key itself

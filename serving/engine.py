@@ -6,6 +6,9 @@ The engine: requests in, tokens out, many requests at once on one model.
     engine.run_until_done() # or engine.run(): the step loop, waiting for more requests
                             # (from other threads) until engine.stop()
 
+Work enters only through submit (add_request is submit of one), which first holds it to
+the admission limits (admission.py): what one request may ask, and how much may wait.
+
 Every step asks the scheduler (scheduler.py) which sequences run, feeds them through the
 unchanged KVCacheGPT.forward with a PagedCache (paged_cache.py) as their cache, samples one
 token per sequence with its own settings, and hands each request its new text. The HTTP
@@ -24,6 +27,7 @@ import torch
 
 from kv_quant import cache_bytes, dtype_name
 from sample import check_sampling_args, sample
+from serving.admission import Limits
 from serving.paged_attention import paged_decode_attention
 from serving.paged_cache import NULL_BLOCK, BlockPool, PagedCache
 from serving.scheduler import FINISHED, Scheduler, Sequence
@@ -125,25 +129,39 @@ def default_num_blocks(config, tokens_per_block, max_batch, kv_dtype):
     return max(min(max_batch * per_context, DEFAULT_POOL_BYTES // block_bytes), per_context)
 
 
+def check_pool_fits(config, num_blocks, tokens_per_block, kv_dtype):
+    """Refuse, before allocating it, a pool larger than the memory left (ValueError)."""
+    from plumbing.validation import available_memory, format_bytes  # the loaders' memory rule
+    needed = cache_bytes(config, (num_blocks + 1) * tokens_per_block, 1, kv_dtype)  # + the null block
+    available = available_memory()
+    if needed > available:
+        raise ValueError(f"a pool of {num_blocks:,} blocks of {tokens_per_block:,} positions would "
+                         f"need {format_bytes(needed)} of memory; {format_bytes(available)} is available")
+
+
 class Engine:
     def __init__(self, model, tokenizer, num_blocks=None, tokens_per_block=16, max_batch=64,
-                 max_prefill_tokens=2048, attention="kernel"):
+                 max_prefill_tokens=2048, attention="kernel", limits=None):
         """num_blocks: the pool's size (default_num_blocks by default); when it runs out,
         the scheduler preempts.
         attention: how decode steps read the pool, "kernel" (paged_attention.py, compiled
-        at the first decode step) or "gather" (plain PyTorch; paged_cache.py compares)."""
+        at the first decode step) or "gather" (plain PyTorch; paged_cache.py compares).
+        limits: admission.Limits (default: its defaults)."""
         if attention not in ("kernel", "gather"):
             raise ValueError(f"attention must be 'kernel' or 'gather', got {attention!r}")
         self.model, self.tokenizer = model, tokenizer
+        self.limits = Limits() if limits is None else limits
         self.attention_kernel = paged_decode_attention if attention == "kernel" else None
         config, weight = model.config, model.lm_head.weight
         self.device = weight.device
         if num_blocks is None:
             num_blocks = default_num_blocks(config, tokens_per_block, max_batch,
                                             dtype_name(weight.dtype))
+        check_pool_fits(config, num_blocks, tokens_per_block, dtype_name(weight.dtype))
         self.pool = BlockPool(config, num_blocks, tokens_per_block, self.device, weight.dtype)
         self.scheduler = Scheduler(self.pool, config.context_len, max_batch, max_prefill_tokens)
         self.inbox, self.cancelled = deque(), deque()  # from other threads (deque is thread-safe)
+        self.admitting = threading.Lock()  # one submit at a time: the queue's bound holds
         self.wakeup = threading.Condition()
         self.thread, self.stopping = None, False
         self.peak_blocks, self.steps = 0, 0
@@ -151,17 +169,38 @@ class Engine:
     # ------------------------------------------------------------------ the caller's side
     # (any thread)
 
-    def add_request(self, prompt, params, on_output=lambda request, output: None):
-        """Queue a prompt (token ids); on_output(request, Output) is called from the
-        engine's thread for every token, the last one with a finish_reason."""
-        params.check()
-        if not 1 <= len(prompt) <= self.model.config.context_len:
-            raise ValueError(f"a prompt must have 1 to {self.model.config.context_len} tokens "
-                             f"(the model's context), got {len(prompt)}")
-        request = Request(prompt, params, on_output, self.tokenizer, self.device)
-        self.inbox.append(request)
+    def submit(self, prompts, samples, on_output=lambda request, output: None):
+        """Queue one caller's request: every prompt (token ids) sampled with each
+        SamplingParams of samples, all or nothing. Returns the Requests, prompt-major
+        (prompt i's sample j is [i * len(samples) + j]); on_output(request, Output) is called
+        from the engine's thread for every token, the last one with a finish_reason.
+
+        Raises ValueError for a bad prompt or setting, admission.RequestTooLarge past a
+        per-request limit and admission.Overloaded when the waiting queue is full, in each
+        case before anything is queued."""
+        for params in samples:
+            params.check()
+        context_len = self.model.config.context_len
+        for prompt in prompts:
+            if not 1 <= len(prompt) <= context_len:
+                raise ValueError(f"a prompt must have 1 to {context_len} tokens "
+                                 f"(the model's context), got {len(prompt)}")
+        self.limits.check_request(prompts, samples)
+        with self.admitting:
+            self.limits.check_room(self.num_waiting(), len(prompts) * len(samples))
+            requests = [Request(prompt, params, on_output, self.tokenizer, self.device)
+                        for prompt in prompts for params in samples]
+            self.inbox.extend(requests)
         self.notify()
-        return request
+        return requests
+
+    def add_request(self, prompt, params, on_output=lambda request, output: None):
+        """submit() of one prompt and one sample: the Request."""
+        return self.submit([prompt], [params], on_output)[0]
+
+    def num_waiting(self):
+        """Sequences queued for a place in the batch (new, or preempted)."""
+        return len(self.inbox) + len(self.scheduler.waiting)
 
     def cancel(self, request):
         """Stop a request (its client went away): its blocks are freed at the next step."""
@@ -374,7 +413,7 @@ class Engine:
             self.finish(request, "error")
 
     def stats(self):
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+        return {"running": len(self.scheduler.running), "waiting": self.num_waiting(),
                 "blocks_total": self.pool.num_blocks, "blocks_free": len(self.pool.free),
                 "blocks_peak": self.peak_blocks, "tokens_per_block": self.pool.tokens_per_block,
                 "preemptions": self.scheduler.preemptions, "steps": self.steps,

@@ -21,7 +21,7 @@ server keeps going past the context (context_policy "reprefill", the generation 
 policy). The answers are shaped in replies.py.
 
 The HTTP side (aiohttp, on an asyncio event loop in its own thread) and the engine
-(serve.py runs it on the main thread) meet in two places: engine.add_request /
+(serve.py runs it on the main thread) meet in two places: engine.submit /
 engine.cancel, and on_output, which the engine calls from its thread and which puts each
 Output on the request's asyncio.Queue through loop.call_soon_threadsafe. A client that
 goes away is noticed by aiohttp (the handler is cancelled, or its next write fails) and
@@ -30,12 +30,17 @@ step.
 
 Bad requests get HTTP 400 and OpenAI's error object:
     {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}
+So does every body before any endpoint reads it (read_body: compressed, not JSON, nested
+too deep: 400 or 415), and a request past the admission limits (admission.py: 400 naming
+the limit, or 429 with Retry-After when the waiting queue is full). Engine.submit is the
+only way work enters the engine, so no endpoint can skip the limits.
 """
 
 import asyncio
 import hashlib
 import hmac
 import json
+import logging
 import threading
 import time
 import traceback
@@ -43,6 +48,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from plumbing.user_text import TextError, check_text, encode_text, longest_token_bytes
+from serving.admission import Overloaded, RequestTooLarge
 from serving.chat import ROLES, TemplateError
 from serving.engine import SamplingParams
 from serving.metrics import ServerMetrics
@@ -52,6 +59,8 @@ MAX_N = 128          # samples per prompt
 MAX_STOPS = 4        # as OpenAI
 MAX_LOGPROBS = 20    # top log-probabilities per token, as vLLM's default and OpenAI's chat
 MAX_STOP_TOKEN_IDS = 64
+MAX_JSON_DEPTH = 64  # a real request nests 3 to 6 deep; 1,000 deep broke json.loads itself
+BODY = web.RequestKey("body", object)  # request[BODY]: the parsed JSON body (read_body)
 UNSUPPORTED = {      # fields we do not implement, and the value that means "not used"
     "best_of": 1, "suffix": None, "presence_penalty": 0, "frequency_penalty": 0,
     "logit_bias": None,
@@ -66,9 +75,9 @@ CONTEXT_POLICIES = ("error", "reprefill")
 
 
 class BadRequest(Exception):
-    def __init__(self, message, param=None, code=None):
+    def __init__(self, message, param=None, code=None, status=400):
         super().__init__(message)
-        self.param, self.code = param, code
+        self.param, self.code, self.status = param, code, status
 
 
 def error_response(status, message, param=None, code=None, kind="invalid_request_error"):
@@ -98,7 +107,13 @@ async def openai_errors(request, handler):
     try:
         return await handler(request)
     except BadRequest as e:
+        return error_response(e.status, str(e), e.param, e.code)
+    except RequestTooLarge as e:  # past a per-request admission limit
         return error_response(400, str(e), e.param, e.code)
+    except Overloaded as e:
+        response = error_response(429, str(e), kind="rate_limit_error", code="server_busy")
+        response.headers["Retry-After"] = str(e.retry_after)
+        return response
     except web.HTTPException as e:  # unknown path (404), wrong method (405), body too large (413)
         if e.status < 400:
             raise
@@ -113,6 +128,56 @@ async def openai_errors(request, handler):
 
 
 # ---------------------------------------------------------------------------- reading a request
+
+@web.middleware
+async def read_body(request, handler):
+    """Every POST body, read and parsed before any endpoint sees it: request[BODY] is
+    JSON nested at most MAX_JSON_DEPTH deep. Refused: a compressed body (aiohttp's own
+    decompression is off: a corrupt gzip body was a 500, brotli a plain-text 400), one
+    that cannot be read (a broken chunked encoding), one that is not JSON."""
+    if request.method != "POST" or request.match_info.http_exception is not None:
+        return await handler(request)  # not a POST, or no such endpoint (404, 405)
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise BadRequest(f"Content-Encoding {encoding[:40]!r} is not supported: send the body "
+                         "uncompressed", code="unsupported_content_encoding", status=415)
+    try:
+        data = await request.read()
+    except web.HTTPException:
+        raise  # too large (413): openai_errors answers it
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:  # aiohttp's payload errors: a chunked body cut or malformed
+        raise BadRequest(f"the request body could not be read ({type(e).__name__})") from None
+    try:
+        request[BODY] = json.loads(data)
+    except RecursionError:
+        raise BadRequest(f"the request body is nested more than {MAX_JSON_DEPTH} deep") from None
+    except ValueError as e:  # also bad UTF-8
+        raise BadRequest(f"the request body is not valid JSON ({str(e)[:100]})") from None
+    if nested_deeper_than(request[BODY], MAX_JSON_DEPTH):
+        raise BadRequest(f"the request body is nested more than {MAX_JSON_DEPTH} deep")
+    return await handler(request)
+
+
+def nested_deeper_than(value, limit):
+    """Whether a parsed JSON value has lists or objects nested more than limit deep (a
+    loop, not recursion: the value may be ~1,000 deep)."""
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (list, dict)):
+            if depth > limit:
+                return True
+            stack.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+    return False
+
+
+def shown(value):
+    """A client's value in an error message: JSON, cut to a few dozen characters."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
 
 def is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)  # JSON true is not a number
@@ -130,10 +195,10 @@ def number(body, name, default, low, high, integer=False, low_open=False):
         return default
     kind = "an integer" if integer else "a number"
     if not (is_int(value) if integer else is_number(value)):
-        raise BadRequest(f"'{name}' must be {kind}, got {json.dumps(value)}", name, "invalid_type")
+        raise BadRequest(f"'{name}' must be {kind}, got {shown(value)}", name, "invalid_type")
     if value != value or value > high or (value <= low if low_open else value < low):
         interval = f"{'(' if low_open else '['}{low}, {high}]"
-        raise BadRequest(f"'{name}' must be in {interval}, got {value}", name, "invalid_value")
+        raise BadRequest(f"'{name}' must be in {interval}, got {shown(value)}", name, "invalid_value")
     return value
 
 
@@ -142,7 +207,7 @@ def flag(body, name):
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise BadRequest(f"'{name}' must be true or false, got {json.dumps(value)}", name, "invalid_type")
+        raise BadRequest(f"'{name}' must be true or false, got {shown(value)}", name, "invalid_type")
     return value
 
 
@@ -181,7 +246,7 @@ def check_model(body, model_name):
         raise BadRequest("the request body must be a JSON object")
     model = body.get("model", model_name)
     if model != model_name:
-        raise BadRequest(f"The model '{model}' does not exist; this server serves '{model_name}'",
+        raise BadRequest(f"The model {shown(model)} does not exist; this server serves '{model_name}'",
                          "model", "model_not_found")
 
 
@@ -233,10 +298,10 @@ class Parsed:
     echo: bool = False   # (completions) the text starts with the prompt
 
 
-def prompt_ids(body, tokenizer, context):
-    """The prompts as lists of token ids: a string, a list of strings, a list of token ids,
-    or a list of such lists (OpenAI's four forms). An empty string starts from the
-    end-of-text token, as generate.py does."""
+def prompt_list(body):
+    """The prompts of the request, each a string or a list of token ids: 'prompt' is a
+    string, a list of strings, a list of token ids, or a list of such lists (OpenAI's four
+    forms)."""
     prompt = body.get("prompt")
     if prompt is None:
         raise BadRequest("'prompt' is required", "prompt", "missing_required_parameter")
@@ -246,17 +311,54 @@ def prompt_ids(body, tokenizer, context):
             isinstance(p, str) or (isinstance(p, list) and p and all(map(is_int, p))) for p in prompt)):
         raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or "
                          "a list of lists of token ids, and not empty", "prompt", "invalid_type")
-    prompts = []
-    for p in prompt:
+    return prompt
+
+
+def check_user_text(text, tokenizer, context, param):
+    """Refuse a client's text that cannot be tokenized (a lone surrogate), or that has more
+    characters than the context's tokens could ever hold (before it is encoded: a million
+    characters of whitespace is also what makes tiktoken panic)."""
+    longest = longest_token_bytes(tokenizer)  # a character is at least one byte
+    if longest is not None and len(text) > context * longest:
+        raise BadRequest(f"This model's maximum context length is {context} tokens; the "
+                         f"{param} has more", param, "context_length_exceeded")
+    try:
+        check_text(text)
+    except TextError as e:
+        raise BadRequest(f"'{param}': {e}", param, "invalid_value") from None
+
+
+def user_text_ids(text, tokenizer, context, param):
+    """Token ids of a client's text (plumbing.user_text: hostile text never panics the
+    tokenizer), checked first (check_user_text)."""
+    check_user_text(text, tokenizer, context, param)
+    return encode_text(tokenizer, text)
+
+
+def prompt_ids(prompts, tokenizer, context, limits):
+    """The prompts as lists of token ids, each within the context and all together within
+    the request's prompt tokens (limits), checked as they are encoded. An empty string
+    starts from the end-of-text token, as generate.py does."""
+    ids, total = [], 0
+    for p in prompts:
         if isinstance(p, str):
-            p = tokenizer.encode_ordinary(p) or [tokenizer.eot_token]
+            p = user_text_ids(p, tokenizer, context, "prompt") or [tokenizer.eot_token]
         elif not all(0 <= t < tokenizer.n_vocab for t in p):
             raise BadRequest(f"token ids must be in [0, {tokenizer.n_vocab})", "prompt", "invalid_value")
         if len(p) > context:
             raise BadRequest(f"This model's maximum context length is {context} tokens; "
                              f"the prompt has {len(p)}", "prompt", "context_length_exceeded")
-        prompts.append(p)
-    return prompts
+        total += len(p)
+        limits.check_prompt_tokens(total)
+        ids.append(p)
+    return ids
+
+
+def check_size(limits, num_prompts, n, max_tokens):
+    """The request's size against the admission limits (admission.py), before any work:
+    encoding, sampling state. The engine checks again when the work is submitted."""
+    limits.check_sequences(num_prompts, n)
+    limits.check_new_tokens(num_prompts * n * max_tokens, num_prompts * n)
 
 
 def samples_of(fields, n, seed):
@@ -265,21 +367,24 @@ def samples_of(fields, n, seed):
     return [SamplingParams(**fields, seed=None if seed is None else seed + i) for i in range(n)]
 
 
-def parse_completion(body, tokenizer, context, model_name, policy="error"):
+def parse_completion(body, tokenizer, context, model_name, limits, policy="error"):
     """A Parsed /v1/completions request. logprobs: k gives every new token's
     log-probability and the k likeliest; echo returns the prompt too (with logprobs, its
-    tokens' log-probabilities); max_tokens 0 with echo scores the prompt only."""
+    tokens' log-probabilities); max_tokens 0 with echo scores the prompt only. The
+    request's size is held to the admission limits before its prompts are encoded."""
     check_model(body, model_name)
     refuse_unsupported(body, UNSUPPORTED)
-    prompts = prompt_ids(body, tokenizer, context)
+    prompts = prompt_list(body)
     logprobs, echo = logprobs_count(body, "logprobs"), flag(body, "echo")
     max_tokens = number(body, "max_tokens", 16, 0, 10**6, integer=True)
     if max_tokens == 0 and not echo:
         raise BadRequest("'max_tokens' must be >= 1 (0 only with echo, to score the prompt)",
                          "max_tokens", "invalid_value")
+    fields, n, seed, stream, include_usage = sampling_fields(body, tokenizer)
+    check_size(limits, len(prompts), n, max_tokens)
+    prompts = prompt_ids(prompts, tokenizer, context, limits)
     for p in prompts:
         check_room(len(p), max_tokens, context, "prompt", policy)
-    fields, n, seed, stream, include_usage = sampling_fields(body, tokenizer)
     fields.update(max_tokens=max_tokens, logprobs=logprobs,
                   prompt_logprobs=logprobs if echo and logprobs is not None else None)
     return Parsed(prompts, samples_of(fields, n, seed), stream, include_usage,
@@ -310,13 +415,14 @@ def chat_messages(body):
     for i, m in enumerate(messages):
         if m.get("role") not in ROLES:
             raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
-                             f"{json.dumps(m.get('role'))}", "messages", "invalid_value")
+                             f"{shown(m.get('role'))}", "messages", "invalid_value")
     return [{"role": m["role"], "content": message_text(m.get("content"), i)}
             for i, m in enumerate(messages)]
 
 
-def chat_prompt(body, template, tokenizer):
-    """Token ids of the conversation, rendered by the model's chat template."""
+def chat_prompt(body, template, tokenizer, context):
+    """Token ids of the conversation, rendered by the model's chat template. The rendered
+    text passes the same checks as a prompt's (user_text_ids) before it is encoded."""
     if template is None:
         raise BadRequest("This model has no chat template, so /v1/chat/completions cannot "
                          "render messages: start serve.py with --chat-template FILE (a Jinja "
@@ -329,19 +435,24 @@ def chat_prompt(body, template, tokenizer):
         raise BadRequest("'add_generation_prompt' must be true or false", "add_generation_prompt",
                          "invalid_type")
     try:
-        return template.encode(template.render(messages, add_generation_prompt))
+        text = template.render(messages, add_generation_prompt)
     except TemplateError as e:
         raise BadRequest(f"the chat template refused these messages: {e}", "messages",
                          "invalid_value") from None
+    check_user_text(text, tokenizer, context, "messages")
+    return template.encode(text)
 
 
-def parse_chat(body, tokenizer, context, model_name, template, policy="error"):
+def parse_chat(body, tokenizer, context, model_name, template, limits, policy="error"):
     """A Parsed /v1/chat/completions request. Generation stops at the template's
     end-of-turn tokens (with the end-of-text, and ignored with it by ignore_eos, as vLLM
     treats a model's end-of-sequence ids)."""
     check_model(body, model_name)
     refuse_unsupported(body, CHAT_UNSUPPORTED)
-    prompt = chat_prompt(body, template, tokenizer)
+    fields, n, seed, stream, include_usage = sampling_fields(body, tokenizer)
+    limits.check_sequences(1, n)  # before the template renders and the text is encoded
+    prompt = chat_prompt(body, template, tokenizer, context)
+    limits.check_prompt_tokens(len(prompt))
     if len(prompt) >= context and policy == "error":
         raise BadRequest(f"This model's maximum context length is {context} tokens. However, your "
                          f"messages resulted in {len(prompt)} tokens, which leaves no room for a "
@@ -356,35 +467,28 @@ def parse_chat(body, tokenizer, context, model_name, template, policy="error"):
     if max_tokens is None:  # as vLLM: what the context has room for
         max_tokens = max(context - len(prompt), 1)
     check_room(len(prompt), max_tokens, context, "messages", policy)
+    check_size(limits, 1, n, max_tokens)
     logprobs, top = flag(body, "logprobs"), logprobs_count(body, "top_logprobs")
     if top is not None and not logprobs:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
-    fields, n, seed, stream, include_usage = sampling_fields(body, tokenizer)
     if fields["stop_at_eot"]:
         fields["stop_token_ids"] += template.end_of_turn_ids
     fields.update(max_tokens=max_tokens, logprobs=(top or 0) if logprobs else None)
     return Parsed([prompt], samples_of(fields, n, seed), stream, include_usage, logprobs)
 
 
-def tokenize_request(body, tokenizer, model_name, template):
+def tokenize_request(body, tokenizer, context, model_name, template):
     """/tokenize: {"prompt": text} or {"messages": [...]} (rendered by the chat template)."""
     check_model(body, model_name)
     if "messages" in body:
-        return chat_prompt(body, template, tokenizer)
+        return chat_prompt(body, template, tokenizer, context)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise BadRequest("'prompt' (a string) or 'messages' is required", "prompt", "invalid_type")
-    return tokenizer.encode_ordinary(prompt)
+    return user_text_ids(prompt, tokenizer, context, "prompt")
 
 
 # ---------------------------------------------------------------------------- the routes
-
-def read_json(body_bytes):
-    try:
-        return json.loads(body_bytes)
-    except ValueError as e:  # also bad UTF-8
-        raise BadRequest(f"the request body is not valid JSON ({e})") from None
-
 
 class CompletionServer:
     def __init__(self, engine, tokenizer, model_name, chat_template=None, api_key=None,
@@ -408,7 +512,8 @@ class CompletionServer:
 
     def app(self):
         checks = [api_key_check(self.api_key)] if self.api_key else []
-        app = web.Application(middlewares=[openai_errors, *checks])
+        # the key is checked before the body is read: a stranger's body is not even parsed
+        app = web.Application(middlewares=[openai_errors, *checks, read_body])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/tokenize", self.tokenize)
@@ -427,14 +532,17 @@ class CompletionServer:
             "owned_by": "kvcache-gpt", "max_model_len": self.context}]})
 
     async def completions(self, request):
-        parsed = parse_completion(read_json(await request.read()), self.tokenizer, self.context,
-                                  self.model_name, self.context_policy)
+        # parsed (and its text encoded) on a worker thread: a long prompt must not hold up
+        # /health and every other client
+        parsed = await asyncio.to_thread(parse_completion, request[BODY], self.tokenizer, self.context,
+                                         self.model_name, self.engine.limits, self.context_policy)
         return await self.answer(request, parsed, lambda *a: CompletionReply(
             *a, echo=parsed.echo, logprobs=parsed.logprobs))
 
     async def chat_completions(self, request):
-        parsed = parse_chat(read_json(await request.read()), self.tokenizer, self.context,
-                            self.model_name, self.chat_template, self.context_policy)
+        parsed = await asyncio.to_thread(parse_chat, request[BODY], self.tokenizer, self.context,
+                                         self.model_name, self.chat_template, self.engine.limits,
+                                         self.context_policy)
         return await self.answer(request, parsed, lambda *a: ChatReply(*a, logprobs=parsed.logprobs))
 
     async def answer(self, request, parsed, make_reply):
@@ -449,9 +557,9 @@ class CompletionServer:
             except RuntimeError:
                 pass  # the event loop has closed: the server is shutting down
 
-        # choice index = prompt index * n + sample index, as OpenAI numbers them
-        choices = [self.engine.add_request(p, params, on_output)
-                   for p in parsed.prompts for params in parsed.samples]
+        # choice index = prompt index * n + sample index, as OpenAI numbers them (submit's
+        # order); all or nothing, past the admission limits nothing (RequestTooLarge, Overloaded)
+        choices = self.engine.submit(parsed.prompts, parsed.samples, on_output)
         self.metrics.received(sum(map(len, parsed.prompts)))
         reply = make_reply(self, choices, outputs, [len(p) for p in parsed.prompts], len(parsed.samples))
         try:
@@ -464,13 +572,13 @@ class CompletionServer:
                     self.engine.cancel(r)
 
     async def tokenize(self, request):
-        ids = tokenize_request(read_json(await request.read()), self.tokenizer, self.model_name,
-                               self.chat_template)
+        ids = await asyncio.to_thread(tokenize_request, request[BODY], self.tokenizer, self.context,
+                                      self.model_name, self.chat_template)
         return web.json_response({"count": len(ids), "max_model_len": self.context, "tokens": ids,
                                   "token_strs": None})
 
     async def detokenize(self, request):
-        body = read_json(await request.read())
+        body = request[BODY]
         check_model(body, self.model_name)
         ids = body.get("tokens")
         if not (isinstance(ids, list) and all(map(is_int, ids))):
@@ -486,12 +594,29 @@ class CompletionServer:
 
 # ---------------------------------------------------------------------------- running it
 
+class OneLineErrors(logging.Filter):
+    """aiohttp logs a request that is not HTTP (a malformed line or header, which it answers
+    with a plain 400 itself) with a traceback: one line per such request is enough."""
+
+    def filter(self, record):
+        if record.exc_info:
+            error = record.exc_info[1]
+            what = " ".join(str(getattr(error, "message", None) or error).split())[:120]
+            record.msg = f"{record.getMessage()}: {type(error).__name__}: {what}"
+            record.args, record.exc_info, record.exc_text = None, None, None
+        return True
+
+
 async def start(server, host, port):
     """Start the HTTP server (a CompletionServer); returns (runner, port bound). The
     engine runs elsewhere."""
+    log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, OneLineErrors) for f in log.filters):
+        log.addFilter(OneLineErrors())
     runner = web.AppRunner(server.app(),
                            handler_cancellation=True,  # a client that leaves cancels its handler
                            access_log=None,
+                           auto_decompress=False,  # read_body refuses compressed bodies itself
                            shutdown_timeout=2.0)  # on close, what still runs gets 2 s, not 60
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -528,7 +653,8 @@ class BackgroundServer:
         except BaseException:
             self.close()
             raise
-        return f"http://{self.host}:{port}/v1"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6 in brackets
+        return f"http://{host}:{port}/v1"
 
     def close(self):
         """Close every connection and end the thread. Handlers still waiting for the
