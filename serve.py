@@ -120,7 +120,6 @@ def main():
     from serving.server import BackgroundServer
 
     model, tokenizer, _ = load_from_args(KVCacheGPT, args)
-    chat_template = load_chat_template(args, tokenizer)
     try:
         engine = Engine(model, tokenizer, num_blocks=args.num_blocks,
                         tokens_per_block=args.tokens_per_block, max_batch=args.max_batch,
@@ -129,6 +128,7 @@ def main():
     except ValueError as e:  # before anything is allocated: a pool too small or too large
         raise UserError(f"--num-blocks {args.num_blocks or '(default)'}, --tokens-per-block "
                         f"{args.tokens_per_block}: {e}") from None
+    chat_template = load_chat_template(args, tokenizer)  # once the pool is sure to fit
     pool = engine.pool
     contexts = pool.num_blocks * pool.tokens_per_block / model.config.context_len
     print(f"KV pool: {pool.num_blocks} blocks of {pool.tokens_per_block} positions, "

@@ -14,7 +14,6 @@ import statistics
 import time
 
 
-
 def summary(records, t0, kv_bytes):
     """records: per request (arrival time, [token times]) on the perf_counter clock."""
     ttft = [times[0] - arrival for arrival, times in records]
@@ -48,7 +47,9 @@ async def stream_one(session, url, model, t0, arrival, prompt, n):
             if event["choices"]:
                 times.append(time.perf_counter())
             usage = event.get("usage") or usage
-    return sent, times, usage["completion_tokens"]
+    # tokens from the usage chunk: an event may carry several (held-back text); a server
+    # that sends no usage (llama-server) sends a token per event
+    return sent, times, usage["completion_tokens"] if usage else len(times)
 
 
 class LoadTestError(Exception):
