@@ -504,7 +504,7 @@ def main():
     from plumbing.checkpoint import NAIVE_MODELS
     from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int, prepare_for_generation
     from plumbing.script import UserError
-    from plumbing.text_stream import prompt_tokens
+    from plumbing.user_text import prompt_tokens
 
     parser = ArgumentParser(description="KV-cache demo: parity with a full forward, "
                             "speed with and without the cache, the cache's size, a batch.")

@@ -40,6 +40,7 @@ from kv_cache import CACHED_MODELS  # noqa: E402
 from plumbing.checkpoint import ROOT  # noqa: E402
 from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
 from plumbing.outputs import check_output_path, json_text, write_atomically  # noqa: E402
+from plumbing.user_text import encode_text  # noqa: E402
 
 HELDOUT = ROOT / "checkpoints" / "shakespeare" / "heldout.txt"
 
@@ -90,7 +91,7 @@ def context_policies(model, tokenizer, text, multiple=4, reps=3):
     `reps` timed passes each after a warm-up (benchmarks.timing.alternate)."""
     from generate import score  # the command's scorer: its windows are the reference
     n = multiple * model.config.context_len
-    ids = torch.tensor([tokenizer.eot_token] + tokenizer.encode_ordinary(text)[:n],
+    ids = torch.tensor([tokenizer.eot_token] + encode_text(tokenizer, text)[:n],
                        device=model.lm_head.weight.device)
     used = tokenizer.decode(ids[1:].tolist())
     result = {"context_len": model.config.context_len, "tokens": ids.numel() - 1,

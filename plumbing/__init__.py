@@ -11,5 +11,6 @@ The plumbing around the lesson: what the commands need and the lesson's modules
     hf_tokenizer.py tokenizer.json as the part of a tiktoken Encoding our code uses
     validation.py   what every file, config, tokenizer and size must satisfy first
     outputs.py      files we write: checked before the work, written atomically, ours only
-    text_stream.py  tokens to text, one at a time, and stop strings
+    user_text.py    user text to token ids, never a panic; a prompt begun as the model expects
+    text_stream.py  tokens to text, one at a time; stop strings and end-of-sequence ids
 """

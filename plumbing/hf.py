@@ -296,7 +296,8 @@ def load_hf_model(classes, path, device="cpu", dtype=torch.float32, report=print
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}; "
-                              "--hf expects a Hugging Face GPT-2 directory (config.json + weights)")
+                              "--hf expects a Hugging Face directory of GPT-2, Llama, Mistral, Qwen2 or "
+                              "Qwen3 (config.json + weights + tokenizer files)")
     hf, config = read_config(path)
     if config.family == "llama":  # our names are theirs: nothing to convert
         state_dict, tokenizer = clean_state_dict(read_weights(path)), llama_tokenizer(path, hf)

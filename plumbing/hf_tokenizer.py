@@ -1,9 +1,12 @@
 """
 A Hugging Face tokenizer.json (Llama, Mistral, Qwen, SmolLM, TinyLlama), read with the
 `tokenizers` library and presented as the part of a tiktoken Encoding the rest of our code
-uses: encode_ordinary, decode_single_token_bytes, decode, n_vocab, eot_token, name; and
-what a tiktoken Encoding does not have, bos_token_id and eos_token_ids
-(plumbing/text_stream.py's prompt_tokens and eos_token_ids read them for every tokenizer).
+uses: encode_ordinary (a user's text: "<|eot_id|>" in it is plain text, as in tiktoken),
+encode with allowed_special="all" (a rendered chat template: its markers are the special
+tokens they name), special_tokens_set, encode_single_token, decode_single_token_bytes,
+decode, n_vocab, eot_token, name; and what a tiktoken Encoding does not have,
+bos_token_id and eos_token_ids (plumbing/user_text.py's as_prompt and
+plumbing/text_stream.py's eos_token_ids read them for every tokenizer).
 
 Two kinds of BPE are what these models ship, and each token's bytes (what a stream of tokens
 prints, one token at a time) come from the decoder tokenizer.json names:
@@ -49,10 +52,31 @@ class HFTokenizer:
         self.tokenizer, self.name, self.token_bytes = tokenizer, name, token_bytes
         self.bos_token_id, self.eot_token, self.eos_token_ids = bos_token_id, eot_token, eos_token_ids
         self.n_vocab = len(token_bytes)
+        # a second copy that reads special tokens' text as text (the library's switch is a
+        # setting of the object, and the server encodes from several threads at once)
+        self.ordinary = type(tokenizer).from_str(tokenizer.to_str())
+        self.ordinary.encode_special_tokens = True
+        self.special_tokens_set = {t.content for t in tokenizer.get_added_tokens_decoder().values()
+                                   if t.special}
 
     def encode_ordinary(self, text):
-        """The text's ids, no BOS or EOS added."""
+        """The text's ids, no BOS or EOS added, special tokens' text as plain text."""
+        return self.ordinary.encode(text, add_special_tokens=False).ids
+
+    def encode(self, text, allowed_special="all"):
+        """The text's ids, no BOS added, the special tokens it spells as themselves (a chat
+        template's markers): tiktoken's encode(text, allowed_special="all"), the one way
+        our code calls it."""
+        if allowed_special != "all":
+            raise NotImplementedError("HFTokenizer.encode reads every special token; "
+                                      "encode_ordinary reads none")
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_single_token(self, text):
+        found = self.tokenizer.token_to_id(text)
+        if found is None:
+            raise KeyError(text)
+        return found
 
     def decode_single_token_bytes(self, token):
         return self.token_bytes[token]

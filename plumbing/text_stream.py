@@ -1,8 +1,8 @@
 """
 Tokens to text, one token at a time: what a stream of generated tokens looks like to a
 reader. Shared by generate.py (the command) and serving/engine.py (the server's engine), so
-both print the same text and stop at the same place; and the two ends of a text as every
-tokenizer marks them (prompt_tokens, eos_token_ids), tiktoken's and Hugging Face's alike.
+both print the same text and stop at the same place: at a stop string, or at any of the
+tokenizer's end-of-sequence ids (eos_token_ids, tiktoken's and Hugging Face's alike).
 
 Stop strings are found in text that arrives a piece at a time, in time linear in the text.
 Searching the whole tail of the text again at every step costs O(len(stop)) per step, and
@@ -17,19 +17,10 @@ next piece may complete the match.
 import codecs
 
 
-def prompt_tokens(tokenizer, text):
-    """A prompt's token ids as the model expects a text to begin: after the tokenizer's
-    beginning-of-text token when its config adds one (Llama's <s> or <|begin_of_text|>:
-    plumbing/hf_tokenizer.py), and an empty prompt as the end-of-text token alone (how
-    GPT-2 starts a document)."""
-    ids = tokenizer.encode_ordinary(text)
-    bos = getattr(tokenizer, "bos_token_id", None)  # a tiktoken Encoding has none
-    return [bos, *ids] if bos is not None else ids or [tokenizer.eot_token]
-
-
 def eos_token_ids(tokenizer):
     """Every id that ends a text: a Hugging Face model may name several (Llama 3's instruct
-    models end a turn with any of three); a tiktoken Encoding has its end-of-text token."""
+    models end a turn with any of three: plumbing/hf_tokenizer.py); a tiktoken Encoding has
+    its one end-of-text token. The one place every caller asks."""
     return tuple(getattr(tokenizer, "eos_token_ids", None) or (tokenizer.eot_token,))
 
 
@@ -41,15 +32,18 @@ class SampleText:
     printed is ever half a character. Text that might be the start of a stop string is
     held back too, until it is clear that it is not one."""
 
-    def __init__(self, tokenizer, stops, stop_at_eot=True):
+    def __init__(self, tokenizer, stops, stop_at_eot=True, stop_token_ids=()):
+        """stops: strings that end the text; stop_at_eot: the tokenizer's end-of-sequence
+        ids end it; stop_token_ids: more tokens that end it, whatever stop_at_eot says (a chat
+        template's end of turn). A token that ends the text adds nothing to it."""
         self.tokenizer = tokenizer
-        self.stop_ids = set(eos_token_ids(tokenizer)) if stop_at_eot else set()
+        self.end_ids = set(stop_token_ids) | (set(eos_token_ids(tokenizer)) if stop_at_eot else set())
         self.stops = [StopString(s) for s in stops]  # each reads every new character once
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text, self.tokens, self.done = "", 0, False
 
     def add(self, token):
-        if token in self.stop_ids:
+        if token in self.end_ids:
             self.done = True
             return
         self.tokens += 1

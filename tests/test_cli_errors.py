@@ -104,6 +104,28 @@ CASES = [  # (script, args, what the error line must mention)
     ("export_hf.py", ["{d}/good.pt", ""], "empty path"),
     ("export_hf.py", ["{d}/good.pt", "{d}/good.pt/out"], "is a file, not a folder"),
     ("export_hf.py", ["{d}/nan.pt", "{d}/export"], "NaN"),
+    # the second hostile-input pass (issue 23)
+    ("generate.py", ["--score", ""], "--score: empty path"),
+    ("generate.py", ["--prompt-file", ""], "--prompt-file: empty path"),
+    ("generate.py", ["--prompts-file", ""], "--prompts-file: empty path"),
+    ("generate.py", ["--score", "{d}/notes.txt", "--compile"], "--compile applies to generating"),
+    ("generate.py", ["--score", "{d}/notes.txt", "--num-samples", "2"], "--num-samples applies"),
+    ("generate.py", ["--score", "{d}/notes.txt", "--stop", "x"], "--stop applies"),
+    ("generate.py", ["--score", "{d}/notes.txt", "--temperature", "0"], "--temperature applies"),
+    ("generate.py", ["--score", "{d}/notes.txt", "--context-policy", "sinks"], "--context-policy applies"),
+    ("generate.py", ["--sinks", "8"], "--sinks applies to --context-policy sinks"),
+    ("generate.py", ["--context-policy", "error"], "invalid choice: 'error'"),
+    ("memory_plan.py", ["--plot", ""], "empty path"),
+    ("memory_plan.py", ["--plot", "{d}/notes.txt"], "not written by kvcache-gpt"),
+    ("memory_plan.py", ["--plot", "{d}"], "is a directory"),
+    ("memory_plan.py", ["--plot", "{d}/good.pt/x.png"], "is a file, not a folder"),
+    ("memory_plan.py", ["--memory", "0"], "--memory"),
+    ("memory_plan.py", ["--kv-dtypes", "int8,int8"], "int8 given twice"),
+    ("memory_plan.py", ["--kv-dtypes", ""], "--kv-dtypes"),
+    ("serve.py", ["--host", ""], "--host is empty"),
+    ("serve.py", ["--max-waiting", "5"], "--max-waiting (5) must be at least"),
+    ("serve.py", ["--ckpt", "{d}/tiny.pt", "--num-blocks", "1000000000"], "would need"),
+    ("serve.py", ["--ckpt", "{d}/tiny.pt", "--tokens-per-block", "1000000000"], "would need"),
 ]
 if importlib.util.find_spec("matplotlib") is None:  # found before the run, not after it
     CASES.append(("benchmark.py", ["--quick", "--plot", "{d}/new.png"], "needs matplotlib"))

@@ -23,7 +23,7 @@ from hf_llama_dirs import VARIANTS, make_hf_llama_dir
 from kv_cache import CACHED_MODELS, KVCacheLlama
 from kv_quant import cache_bytes
 from plumbing.hf import load_hf_model
-from plumbing.text_stream import prompt_tokens
+from plumbing.user_text import prompt_tokens
 from serving.engine import Engine, SamplingParams
 
 transformers = pytest.importorskip("transformers")
