@@ -2,7 +2,7 @@
 tokenizers (nothing downloaded): LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and
 Qwen3ForCausalLM, each with one of the two tokenizer kinds these models ship (byte-level BPE
 as Llama 3 and Qwen do, SentencePiece-style BPE with byte fallback as Llama 2 does).
-Used by test_llama.py."""
+Used by test_llama.py and test_llama_chat.py."""
 
 import torch
 
@@ -44,9 +44,10 @@ def hf_classes():
             "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
 
 
-def byte_level_tokenizer():
+def byte_level_tokenizer(extra_specials=()):
     """Llama 3 / Qwen2 style: GPT-2's byte alphabet, BPE merges learned here, BOS and EOS
-    specials, BOS put before every text by the post-processor."""
+    specials (and extra_specials after them: a chat template's markers), BOS put before
+    every text by the post-processor."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
@@ -54,7 +55,7 @@ def byte_level_tokenizer():
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(TEXT, trainers.BpeTrainer(
         vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-        special_tokens=["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]))
+        special_tokens=["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", *extra_specials]))
     bos = tok.token_to_id("<|begin_of_text|>")
     tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
                                                        special_tokens=[("<|begin_of_text|>", bos)])
@@ -82,11 +83,13 @@ def sentencepiece_tokenizer():
     return LlamaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
-def make_hf_llama_dir(path, name, seed=0):
-    """A random model of VARIANTS[name] and its tokenizer saved to `path`: (HF model, HF tokenizer)."""
+def make_hf_llama_dir(path, name, seed=0, tokenizer=None):
+    """A random model of VARIANTS[name] and its tokenizer (by default the variant's kind)
+    saved to `path`: (HF model, HF tokenizer)."""
     model_type, settings, tokenizer_kind = VARIANTS[name]
     config_class, model_class = hf_classes()[model_type]
-    tokenizer = byte_level_tokenizer() if tokenizer_kind == "byte-level" else sentencepiece_tokenizer()
+    if tokenizer is None:
+        tokenizer = byte_level_tokenizer() if tokenizer_kind == "byte-level" else sentencepiece_tokenizer()
     torch.manual_seed(seed)
     # one row per token, no padding rows: transformers' generate() may pick any row
     config = config_class(**SHAPE, **settings, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,

@@ -1,7 +1,7 @@
 """plumbing/user_text.py, user text to token ids: the split by pieces gives exactly
 tiktoken's ids (hypothesis over random text, with the split forced on, under four patterns:
 ours and tiktoken's GPT-2, cl100k and o200k), a million whitespace characters encode with
-no panic, and a lone surrogate is one line."""
+no panic (a Hugging Face tokenizer.json takes them whole), and a lone surrogate is one line."""
 
 import pytest
 import tiktoken
@@ -80,3 +80,19 @@ def test_a_lone_surrogate_is_refused_with_its_place(text, place):
 
 def test_ordinary_text_is_accepted():
     check_text("ROMEO: 汉字 🎭 \U0001f3ad")
+
+
+@pytest.mark.parametrize("text", [" " * 1_000_000 + "ROMEO", "\u3000" * 1_000_000])
+def test_a_hugging_face_tokenizer_takes_a_million_whitespace_characters_itself(tmp_path, text):
+    """tokenizer.json (plumbing/hf_tokenizer.py) is not tiktoken: the `tokenizers` library
+    splits such runs without failing, so encode_text hands it the text whole; a lone
+    surrogate is still one line."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("transformers")
+    from hf_llama_dirs import byte_level_tokenizer
+    from plumbing.hf_tokenizer import read_tokenizer
+    byte_level_tokenizer()._tokenizer.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = read_tokenizer(tmp_path, (None, []), {"eos_token": "<|end_of_text|>"})
+    assert tokenizer.decode(encode_text(tokenizer, text)) == text
+    with pytest.raises(TextError, match="character 2 is"):
+        encode_text(tokenizer, "a\ud800")
