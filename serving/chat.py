@@ -41,8 +41,8 @@ def raise_exception(message):  # what templates call to refuse a conversation
 class ChatTemplate:
     def __init__(self, source, tokenizer, bos_token=None, eos_token=None, origin="the template"):
         """source: the Jinja text; bos_token / eos_token: the strings the template may
-        insert (tokenizer_config.json's; by default the text of the tokenizer's BOS, or of
-        its end-of-text token for a tokenizer without one, and of its first end id)."""
+        insert (tokenizer_config.json's; by default eos_token is the text of the tokenizer's
+        first end-of-sequence id, and bos_token that of its BOS, or eos_token's without one)."""
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False,

@@ -396,6 +396,7 @@ BAD_REQUESTS = [
      "invalid_type"),
     ("/v1/chat/completions", b"{not json", None, None),
     ("/tokenize", {"prompt": 5}, "prompt", "invalid_type"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": 1}, "add_special_tokens", "invalid_type"),
     ("/tokenize", {"messages": [{"role": "user"}]}, "messages", "invalid_type"),
     ("/tokenize", [1], None, None),
     ("/detokenize", {"tokens": "abc"}, "tokens", "invalid_type"),
