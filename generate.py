@@ -69,7 +69,7 @@ def parse_args():
     p.add_argument("--no-cache", action="store_true",
                    help="the naive loop: re-run the whole context every step (for comparison)")
     p.add_argument("--compile", action="store_true",
-                   help="decode through a static-shape step compiled once with torch.compile "
+                   help="decode through a static-shape step compiled ahead of time (AOTInductor) "
                    "(compiling takes a while: --stats reports it apart from the decode speed)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, help="store the KV cache as this dtype "
                    "(int8, int4: quantized, scales counted in --stats); attention still runs in "

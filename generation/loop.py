@@ -38,7 +38,7 @@ class GenerationStats:
     prefill_passes: int = 0        # passes over a prompt (one per generation, however many rows)
     reprefills: int = 0            # times rows were rebuilt past the context (Generation.reprefill)
     prefill_seconds: float = 0.0
-    compile_seconds: float = 0.0   # torch.compile of the decode step, timed apart from decoding
+    compile_seconds: float = 0.0   # building the compiled decode step, timed apart from decoding
     cache_bytes: int = 0           # the most the cache tensors held at once
     cache_positions: int = 0       # columns in the cache at the end
 
@@ -92,11 +92,12 @@ class Generation:
         tokens."""
         logits, cache, history = self.prefill()
         if self.compile:
-            self.stats.compile_seconds = compiled_step.compile_for(self.model, cache)
+            self.compiled, self.stats.compile_seconds = compiled_step.compile_for(
+                self.model, cache, vocab_limit=self.vocab_limit, **self.sampling)
+        tokens = self.sample(logits)
         active = list(range(history.size(0)))  # the row number of each row in the batch
         try:
             for step in range(self.max_new_tokens):
-                tokens = sample(logits[:, :self.vocab_limit], **self.sampling)[:, 0]  # (batch,)
                 yield self.unfinished(active, tokens)
                 if step == self.max_new_tokens - 1:
                     break  # the last token needs no forward pass after it
@@ -112,7 +113,7 @@ class Generation:
                 if cache.length == self.context_len:
                     self.reprefill(cache, history)
                 history[:, cache.length] = tokens
-                logits = self.decode_one(tokens[:, None], cache)
+                tokens = self.decode_one(tokens[:, None], cache)
         finally:  # also when the caller stops early (a stop string, end of text)
             self.stats.cache_bytes = max(self.stats.cache_bytes, cache.nbytes())
             self.stats.cache_positions = cache.length
@@ -152,12 +153,17 @@ class Generation:
         self.stats.prefill_seconds = time.perf_counter() - t0
         return logits, cache, history
 
+    def sample(self, logits):
+        """Each row's token (R,) drawn from logits (R, V) (sample.py)."""
+        return sample(logits[:, :self.vocab_limit], **self.sampling)[:, 0]
+
     def decode_one(self, tokens, cache):
-        """Logits (R, V) after feeding tokens (R, 1): one position per row."""
+        """Each row's next token (R,) after feeding tokens (R, 1), one position per row:
+        the model's logits, then sample(); with compile, both inside the compiled step."""
         if not self.compile:
-            return self.run_pass(tokens, cache)
+            return self.sample(self.run_pass(tokens, cache))
         self.stats.count_pass(1)
-        return compiled_step.decode(self.model, tokens, cache)
+        return self.compiled.decode(tokens, cache)
 
     def reprefill(self, cache, history):
         """The cache is full (context_len columns): make room for one more.
