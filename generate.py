@@ -10,6 +10,8 @@ through the KV cache, sample, stream the text, stop.
     python generate.py --score checkpoints/shakespeare/heldout.txt
     python generate.py --prompt "ROMEO:" --kv-dtype int4 --stats    # a quantized cache
     python generate.py --score checkpoints/shakespeare/heldout.txt --kv-dtype int8
+    python generate.py --prompt "ROMEO:" --temperature 0 --speculate 4 --prompt-lookup 3 --stats
+    python generate.py --prompt "ROMEO:" --speculate 3 --draft checkpoints/shakespeare-draft/ckpt.pt
 
 This file is the command: it drives the generation loop (generation/loop.py: prefill,
 decode one token at a time, sample), turns its tokens into text and decides when each row
@@ -33,9 +35,11 @@ import torch.nn.functional as F  # noqa: E402
 
 from base_model import GPT  # noqa: E402
 from generation.loop import Generation, GenerationStats  # noqa: E402
+from generation.speculative import DraftModel  # noqa: E402
 from kv_cache import KVCacheGPT  # noqa: E402
 from kv_quant import KV_DTYPES, cache_formula, dtype_name  # noqa: E402
-from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
+from plumbing.cli import (ArgumentParser, add_model_args, add_speculation_args,  # noqa: E402
+                          check_speculation_args, load_from_args, positive_int, proposer_from_args)
 from plumbing.outputs import json_text  # noqa: E402
 from plumbing.text_stream import SampleText  # noqa: E402
 from plumbing.validation import check_fits_in_memory, generation_memory, max_text_bytes  # noqa: E402
@@ -73,6 +77,7 @@ def parse_args():
     p.add_argument("--kv-dtype", choices=KV_DTYPES, help="store the KV cache as this dtype "
                    "(int8, int4: quantized, scales counted in --stats); attention still runs in "
                    "--dtype (default: the model's dtype). With --score: score through the cache")
+    add_speculation_args(p)
     p.add_argument("--no-stream", action="store_true", help="print once at the end")
     p.add_argument("--stats", action="store_true", help="timings and cache size, on stderr")
     p.add_argument("--json", action="store_true",
@@ -99,6 +104,12 @@ def parse_args():
         p.error("--kv-dtype: --no-cache keeps no cache to store; drop one of them")
     if args.compile and args.kv_dtype:
         p.error("--compile: its static step writes the model-dtype cache; drop --kv-dtype or --compile")
+    check_speculation_args(p, args)
+    if args.speculate and args.no_cache:
+        p.error("--speculate: speculative decoding rolls a cache back, and --no-cache keeps none; "
+                "drop one of them")
+    if args.speculate and args.score:
+        p.error("--speculate applies to generating text, not to --score")
     return args
 
 
@@ -209,10 +220,13 @@ def encode_prompt(text, tokenizer, context_len):
     return ids
 
 
-def generate(args, prompts, model, tokenizer, device):
+def generate(args, prompts, model, tokenizer, device, proposer):
     rows = [i for i in range(len(prompts)) for _ in range(args.num_samples)]  # prompt-major
     kv_dtype = args.kv_dtype or dtype_name(model.lm_head.weight.dtype)
     rows_bytes = generation_memory(model.config, len(rows), kv_dtype)
+    if isinstance(proposer, DraftModel):  # its own cache for every row
+        draft = proposer.model
+        rows_bytes += generation_memory(draft.config, len(rows), dtype_name(draft.lm_head.weight.dtype))
     check_fits_in_memory(rows_bytes, f"decoding {len(rows):,} rows together",
                          f"--num-samples {args.num_samples} with {len(prompts)} prompts")
     ids = [encode_prompt(p, tokenizer, model.config.context_len) for p in prompts]
@@ -232,7 +246,8 @@ def generate(args, prompts, model, tokenizer, device):
         generation = None
     else:
         generation = Generation(model, ids, args.max_new_tokens, num_samples=args.num_samples,
-                                compile=args.compile, cache_kind=args.kv_dtype, **loop_args)
+                                compile=args.compile, cache_kind=args.kv_dtype,
+                                speculate=args.speculate or 0, proposer=proposer, **loop_args)
         steps_out = iter(generation)
     steps, decoded, t_first = 0, 0, None
     for step_rows, step_tokens in steps_out:
@@ -256,7 +271,7 @@ def generate(args, prompts, model, tokenizer, device):
         sample.finish()  # max_new_tokens reached: show what is held back for stop strings
 
     report = generation_stats(model, args, loop_args["stats"], ids, samples,
-                              steps, decoded, t_end - t_start, t_first and t_first - t_start)
+                              steps, decoded, t_end - t_start, t_first and t_first - t_start, proposer)
     if args.json:
         out = {"prompts": prompts, "texts": [s.text for s in samples], "stats": report}
         if len(prompts) == 1:
@@ -268,7 +283,8 @@ def generate(args, prompts, model, tokenizer, device):
         print_stats(report)
 
 
-def generation_stats(model, args, stats, ids, samples, steps, decoded, seconds, first_token_seconds):
+def generation_stats(model, args, stats, ids, samples, steps, decoded, seconds, first_token_seconds,
+                     proposer=None):
     rows = len(samples)
     decode_seconds = seconds - first_token_seconds if first_token_seconds is not None else 0.0
     report = {
@@ -282,6 +298,11 @@ def generation_stats(model, args, stats, ids, samples, steps, decoded, seconds, 
         "forward_passes": stats.forward_passes,
         "prefill_passes": stats.prefill_passes,
         "positions_processed": stats.positions_processed,
+        "speculative": proposer and {
+            "speculate": args.speculate, "proposer": proposer.describe(),
+            "proposed": stats.proposed, "accepted": stats.accepted,
+            "acceptance_rate": stats.accepted / stats.proposed if stats.proposed else None,
+            "verify_passes": stats.verify_passes, "draft_forward_passes": stats.draft_passes},
     }
     if not args.no_cache:  # the naive loop keeps no cache
         kv_dtype = args.kv_dtype or dtype_name(model.lm_head.weight.dtype)
@@ -308,6 +329,13 @@ def print_stats(r):
         f"decode:              {fmt(r['decode_tokens_per_second'], 'tokens/s')}",
         f"forward passes:      {r['forward_passes']}, {r['positions_processed']} positions processed",
     ]
+    spec = r["speculative"]
+    if spec:
+        rate = "n/a" if spec["acceptance_rate"] is None else f"{spec['acceptance_rate']:.1%}"
+        lines.append(f"speculative:         {spec['proposer']}, up to {spec['speculate']} per step: "
+                     f"{spec['proposed']} proposed, {spec['accepted']} accepted ({rate}) in "
+                     f"{spec['verify_passes']} verifying passes"
+                     + (f"; {spec['draft_forward_passes']} draft passes" if spec["draft_forward_passes"] else ""))
     if "cache_bytes_allocated" in r:
         lines += [f"KV cache:            {r['cache_formula']} = {r['cache_bytes_formula']:,} B by the formula",
                   f"                     {r['cache_bytes_allocated']:,} B allocated "
@@ -398,13 +426,14 @@ def main():
             raise UserError("--no-cache generates one prompt at a time (the naive loop has no "
                             "padding); pass a single prompt, or drop --no-cache")
     model, tokenizer, device = load_from_args(GPT if args.no_cache else KVCacheGPT, args)
+    proposer = proposer_from_args(KVCacheGPT, args, tokenizer, device)
     if args.kv_dtype:
         try:  # a quantized cache needs a head size it can pack
             model.new_cache(1, args.kv_dtype)
         except ValueError as e:
             raise UserError(f"--kv-dtype {args.kv_dtype}: {e}") from None
     if not args.score:
-        return generate(args, prompts, model, tokenizer, device)
+        return generate(args, prompts, model, tokenizer, device, proposer)
     result = score(model, tokenizer, text, device, args.kv_dtype)
     if args.json:
         print(json_text(result))

@@ -75,6 +75,16 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     if temperature == 0:
         # greedy: no softmax, no random draw. NaN would win argmax, so it is excluded first.
         return without_nan(logits).argmax(dim=-1, keepdim=True)
+    probs = probabilities(logits, temperature, top_k, top_p)
+    # multinomial does not need the row to sum to 1, so no renormalisation after top-p
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def probabilities(logits, temperature=1.0, top_k=None, top_p=None):
+    """The distribution sample() draws from, for temperature > 0: fp32 weights (..., V), in
+    proportion to each token's probability (after top-p they sum to less than 1: divide by
+    the sum for probabilities). Speculative decoding (generation/speculative.py) needs it
+    as numbers, not as a draw."""
     # fp32 cannot hold every positive Python float: a temperature under ~1e-45 rounds to 0
     # (0/0 = NaN at the row's max: multinomial raised), one over ~3.4e38 to inf (-inf/inf =
     # NaN at excluded tokens, which were then sampled). Clamped to fp32's normal range,
@@ -86,5 +96,4 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     probs = F.softmax(logits, dim=-1)
     if top_p is not None and top_p < 1:
         probs = top_p_filter(probs, top_p)
-    # multinomial does not need the row to sum to 1, so no renormalisation after top-p
-    return torch.multinomial(probs, num_samples=1, generator=generator)
+    return probs

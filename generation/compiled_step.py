@@ -16,6 +16,9 @@ decoding 7x slower. Here every shape is fixed for the whole generation:
     them, with a mask that hides the columns not written yet (and any left padding);
   - the step's position is a tensor, not a Python int: the write index for the new key and
     value (index_put_ at that column) and the row of the position table it looks up.
+A step may also feed a fixed number T > 1 of tokens per row (speculative decoding verifies
+its proposals in one such step: generation/speculative.py): T is part of the shape, so each
+T is a graph of its own, compiled once.
 Reading the whole buffer costs a little (the bundled model's full cache is 3 MB against
 23 MB of weights; GPT-2's 75 MB against 494 MB): less than what compiling removes.
 
@@ -36,49 +39,54 @@ class StaticStep:
     it writes the new column at a position held in a tensor and attends over the whole
     buffer, so no shape depends on how much has been cached."""
 
-    def __init__(self, kv, length):
-        self.kv, self.length = kv, length  # (n_layer, 2, B, nh, max_len, hd); (1,) LongTensor
-        B, nh = kv.size(2), kv.size(3)
-        # index tensors broadcasting to (2, B, nh, 1): k and v, every row and head, one column
+    def __init__(self, kv, new_columns):
+        self.kv = kv  # (n_layer, 2, B, nh, max_len, hd)
+        B, nh, T = kv.size(2), kv.size(3), new_columns.size(0)
+        # index tensors broadcasting to (2, B, nh, T): k and v, every row and head, the T
+        # new columns (new_columns (T,) LongTensor: length, length + 1, ...)
         self.k_or_v = torch.arange(2, device=kv.device).view(2, 1, 1, 1)
         self.rows = torch.arange(B, device=kv.device).view(1, B, 1, 1)
         self.heads = torch.arange(nh, device=kv.device).view(1, 1, nh, 1)
+        self.columns = new_columns.view(1, 1, 1, T)
 
     def attend(self, layer, q, k, v, mask):
-        # k, v: (B, nh, 1, hd), written at column `length` of this layer. One index_put_ on
+        # k, v: (B, nh, T, hd), written at the new columns of this layer. One index_put_ on
         # the whole buffer, not a write into the view kv[layer]: torch.compile turns a write
         # into a view of its input into a copy of the whole buffer (every layer, every step:
         # 3x slower than eager), while a write into the input itself stays in place.
         layer_index = torch.full((1, 1, 1, 1), layer, device=k.device)
-        self.kv.index_put_((layer_index, self.k_or_v, self.rows, self.heads, self.length),
-                           torch.stack([k, v]))  # (2, B, nh, 1, hd)
+        self.kv.index_put_((layer_index, self.k_or_v, self.rows, self.heads, self.columns),
+                           torch.stack([k, v]))  # (2, B, nh, T, hd)
         k_all, v_all = self.kv[layer, 0], self.kv[layer, 1]  # (B, nh, max_len, hd): every column
-        # Attention written out instead of SDPA: for one query, torch.compile fuses these
+        # Attention written out instead of SDPA: for a few queries, torch.compile fuses these
         # into its own loops, while SDPA's CPU kernel is a separate call costing more than its
         # arithmetic (a large share of a bundled step). Unwritten columns masked.
-        scores = (q @ k_all.transpose(-2, -1)) * q.size(-1) ** -0.5          # (B, nh, 1, max_len)
+        scores = (q @ k_all.transpose(-2, -1)) * q.size(-1) ** -0.5          # (B, nh, T, max_len)
         weights = scores.masked_fill(~mask, float("-inf")).float().softmax(-1).to(q.dtype)
-        return weights @ v_all                                                # (B, nh, 1, hd)
+        return weights @ v_all                                                # (B, nh, T, hd)
 
 
-def decode_step(model, token, kv, length, pad):
-    """Logits (B, V) for token (B, 1) at column `length` ((1,) LongTensor) of the cache
-    buffer kv; pad (B,): left-padding columns per row (zeros when there is none).
+def decode_step(model, tokens, kv, length, pad):
+    """Logits (B, T, V) for tokens (B, T) at columns length.. of the cache buffer kv (length:
+    (1,) LongTensor); pad (B,): left-padding columns per row (zeros when there is none).
 
     KVCacheGPT.forward, with its three cache-dependent parts written with tensors:"""
     max_len = kv.size(4)
+    new_columns = length + torch.arange(tokens.size(1), device=kv.device)  # (T,)
     # (1) positions: each row's column minus its padding, looked up by tensor
-    positions = (length - pad)[:, None]                                   # (B, 1)
-    x = model.transformer.wte(token) + model.transformer.wpe(positions)   # (B, 1, C)
-    # (3) the mask: keys written so far (this step's included), none in a row's padding
+    positions = new_columns[None, :] - pad[:, None]                       # (B, T)
+    x = model.transformer.wte(tokens) + model.transformer.wpe(positions)  # (B, T, C)
+    # (3) the mask: for the token at column c, the keys up to c (its own included), none in
+    # a row's padding
     columns = torch.arange(max_len, device=kv.device)
-    visible = (columns <= length) & (columns >= pad[:, None])             # (B, max_len)
-    mask = visible[:, None, None, :]                                      # (B, 1, 1, max_len)
-    cache = StaticStep(kv, length)
+    visible = ((columns[None, None, :] <= new_columns[None, :, None])
+               & (columns[None, None, :] >= pad[:, None, None]))          # (B, T, max_len)
+    mask = visible[:, None]                                               # (B, 1, T, max_len)
+    cache = StaticStep(kv, new_columns)
     for layer, block in enumerate(model.transformer.h):
         # (2) the cache update, inside attention, as in the eager model
         x = block(x, cache=cache, layer=layer, mask=mask)
-    return model.head(x)[:, -1]
+    return model.head(x)
 
 
 # dynamic=False: every step has the same shapes, and a static graph is the fastest one
@@ -97,10 +105,11 @@ def compiled_decode_step(model):
     return model._compiled_decode_step
 
 
-def compile_for(model, cache):
-    """Compile the step for this cache's shapes before decoding, on a scratch copy of the
-    buffer (the real one is untouched); returns the seconds it took, which the loop reports
-    apart from the decode speed. cache: a kv_cache.KVCache in the model's dtype."""
+def compile_for(model, cache, tokens_per_step=1):
+    """Compile the step for this cache's shapes and tokens_per_step tokens per row before
+    decoding, on a scratch copy of the buffer (the real one is untouched); returns the seconds
+    it took, which the loop reports apart from the decode speed. cache: a kv_cache.KVCache in
+    the model's dtype."""
     if getattr(cache, "kv_dtype", None) != dtype_name(model.lm_head.weight.dtype):
         # the step writes raw keys and values of the model's dtype into the buffer
         raise ValueError("the compiled decode step needs the preallocated cache in the "
@@ -110,19 +119,21 @@ def compile_for(model, cache):
     # Zero what has not been written, once per generation.
     cache.kv[..., cache.length:, :].zero_()
     t0 = time.perf_counter()
-    token = torch.zeros(cache.kv.size(2), 1, dtype=torch.long, device=cache.kv.device)
+    token = torch.zeros(cache.kv.size(2), tokens_per_step, dtype=torch.long, device=cache.kv.device)
+    pad = torch.zeros_like(token[:, 0].contiguous())  # laid out as the real one: one graph
     compiled_decode_step(model)(model, token, torch.empty_like(cache.kv),
-                                torch.tensor([0], device=token.device), token[:, 0])
+                                torch.tensor([0], device=token.device), pad)
     if token.device.type == "cuda":
         torch.cuda.synchronize(token.device)
     return time.perf_counter() - t0
 
 
 def decode(model, tokens, cache):
-    """Logits (B, V) for tokens (B, 1) through the compiled step; the step writes its column
-    into the cache's buffer in place, and the cache counts it."""
-    pad = cache.pad if cache.pad is not None else torch.zeros_like(tokens[:, 0])
+    """Logits (B, T, V) for tokens (B, T) through the compiled step; the step writes its
+    columns into the cache's buffer in place, and the cache counts them."""
+    tokens = tokens.contiguous()  # a graph is made for given strides too: a slice would be a new one
+    pad = cache.pad.contiguous() if cache.pad is not None else torch.zeros_like(tokens[:, 0])
     length = torch.tensor([cache.length], device=tokens.device)
     logits = compiled_decode_step(model)(model, tokens, cache.kv, length, pad)
-    cache.advance(1)
+    cache.advance(tokens.size(1))
     return logits

@@ -1,16 +1,19 @@
 """
 The command line the commands share: the model flags (--ckpt or --hf, --device, --dtype,
---seed, --quantize), argument types, and loading the model those flags name.
+--seed, --quantize), the speculative-decoding flags (--speculate with --prompt-lookup or
+--draft), argument types, and loading the models those flags name.
 
 Errors a user can fix are UserError (plumbing/script.py): run() prints them as one line.
 """
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
 from base_model import store_linears_column_major
+from generation.speculative import DraftModel, PromptLookup
 from kv_quant import FLOAT_DTYPES
 from plumbing.checkpoint import load_model
 from plumbing.hf import load_hf_model
@@ -123,3 +126,62 @@ def quantize_from_args(model, args):
         except ValueError as e:
             raise UserError(f"--quantize {args.quantize}: {e}; try --quantize int8") from None
     return model
+
+
+# ---------------------------------------------------------------------------- speculation
+
+def add_speculation_args(parser):
+    """--speculate K and its proposer (generation/speculative.py)."""
+    parser.add_argument("--speculate", type=positive_int, metavar="K", help="speculative "
+                        "decoding: propose K tokens per step and check them in one pass of the "
+                        "model (greedy text unchanged, sampling from the same distribution); "
+                        "with --prompt-lookup or --draft")
+    proposer = parser.add_mutually_exclusive_group()
+    proposer.add_argument("--prompt-lookup", type=positive_int, metavar="N", help="propose what "
+                          "followed the last up-to-N tokens where they occurred before, in the "
+                          "prompt or the text so far")
+    proposer.add_argument("--draft", metavar="CKPT_OR_DIR", help="propose with a smaller model "
+                          "that has the same tokenizer: a checkpoint file or a Hugging Face "
+                          "directory (bundled: checkpoints/shakespeare-draft/ckpt.pt); it loads "
+                          "with the same --device, --dtype and --quantize")
+
+
+def check_speculation_args(parser, args):
+    """The flags must come together: one line (exit 2) otherwise."""
+    has_proposer = args.prompt_lookup is not None or args.draft is not None
+    if args.speculate and not has_proposer:
+        parser.error("--speculate K needs a proposer: --prompt-lookup N or --draft CKPT_OR_DIR")
+    if has_proposer and not args.speculate:
+        flag = "--prompt-lookup" if args.prompt_lookup is not None else "--draft"
+        parser.error(f"{flag}: also give --speculate K, how many tokens to propose per step")
+
+
+def proposer_from_args(cls, args, tokenizer, device):
+    """The proposer the flags name, or None without --speculate; a draft model is loaded
+    (as `cls`, with the model's --device, --dtype and --quantize) and must share the
+    model's tokenizer: its proposals are token ids."""
+    if not args.speculate:
+        return None
+    if args.prompt_lookup is not None:
+        return PromptLookup(args.prompt_lookup)
+    path = args.draft
+    source = {"hf": path} if path and Path(path).is_dir() else {"ckpt": path}
+    draft, draft_tokenizer = load_source(
+        cls, **source, device=device, dtype=pick_dtype(args.dtype, device),
+        report=lambda line: print(f"draft: {line}", file=sys.stderr))
+    if not same_tokens(tokenizer, draft_tokenizer):
+        raise UserError(f"--draft {path}: its tokenizer ({draft_tokenizer.name}, "
+                        f"{draft_tokenizer.n_vocab} tokens) is not the model's ({tokenizer.name}, "
+                        f"{tokenizer.n_vocab} tokens); a draft proposes token ids, so it needs the same one")
+    try:
+        prepare_for_generation(draft, args)
+    except UserError as e:
+        raise UserError(f"--draft {path}: {e}") from None
+    return DraftModel(draft)
+
+
+def same_tokens(a, b):
+    """Whether two tokenizers give every id the same bytes (all a draft needs to share)."""
+    return (a.n_vocab == b.n_vocab and a.eot_token == b.eot_token and
+            all(a.decode_single_token_bytes(i) == b.decode_single_token_bytes(i)
+                for i in range(a.n_vocab)))
