@@ -140,10 +140,7 @@ class Generation:
                 if self.proposer:
                     tokens, counts, history = self.speculate_step(newest, cache, history, active)
                 else:
-                    history[:, cache.length] = newest[:, 0]
-                    logits = self.decode_one(newest, cache)
-                    tokens = sample(logits[:, :self.vocab_limit], **self.sampling)
-                    counts = torch.ones_like(tokens[:, 0])
+                    tokens, counts = self.plain_step(newest, cache, history)
         finally:  # also when the caller stops early (a stop string, end of text)
             self.stats.cache_bytes = max(self.stats.cache_bytes, cache.nbytes())
             self.stats.cache_positions = cache.length
@@ -201,6 +198,13 @@ class Generation:
         """Logits (R, V) after feeding tokens (R, 1): one position per row."""
         return self.decode(tokens, cache)[:, -1]
 
+    def plain_step(self, newest, cache, history):
+        """Feed each row's newest token (R, 1), sample the next: (tokens (R, 1), counts (R,))."""
+        history[:, cache.length] = newest[:, 0]
+        logits = self.decode_one(newest, cache)
+        tokens = sample(logits[:, :self.vocab_limit], **self.sampling)
+        return tokens, torch.ones_like(tokens[:, 0])
+
     def decode(self, tokens, cache):
         """Logits (R, T, V) at every position of tokens (R, T) fed through the cache: one
         token (decode_one), or the newest token and its proposals (speculate_step). Through
@@ -226,11 +230,8 @@ class Generation:
         if proposals is not None and not (self.compile and k == self.speculate):
             k = int(proposals.counts.max())  # no column for proposals no row has
             proposals.trim(k)
-        if not k:  # nothing to check: a plain step
-            history[:, cache.length] = newest[:, 0]
-            logits = self.decode_one(newest, cache)
-            tokens = sample(logits[:, :self.vocab_limit], **self.sampling)
-            return tokens, torch.ones_like(tokens[:, 0]), history
+        if not k:  # nothing to check
+            return *self.plain_step(newest, cache, history), history
         fed = torch.cat([newest, proposals.tokens], dim=1)              # (R, 1 + k)
         history[:, cache.length:cache.length + k + 1] = fed
         logits = self.decode(fed, cache)                                # (R, 1 + k, V)

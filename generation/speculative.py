@@ -170,11 +170,9 @@ class PromptLookup(Proposer):
 
     def propose(self, k):
         found = [lookup(text, index, self.max_ngram, k) for text, index in zip(self.texts, self.index)]
-        tokens = torch.zeros(len(found), k, dtype=torch.long)  # filler past a row's count: 0
-        for row, proposal in enumerate(found):
-            tokens[row, :len(proposal)] = torch.tensor(proposal, dtype=torch.long)
-        counts = torch.tensor([len(p) for p in found])
-        return Proposals(tokens.to(self.device), counts.to(self.device))
+        tokens = [p + [0] * (k - len(p)) for p in found]  # filler past a row's count: 0
+        return Proposals(torch.tensor(tokens, dtype=torch.long, device=self.device).view(-1, k),
+                         torch.tensor([len(p) for p in found], device=self.device))
 
     def describe(self):
         return f"prompt lookup (up to {self.max_ngram}-grams)"

@@ -168,7 +168,7 @@ def proposer_from_args(cls, args, tokenizer, device):
     source = {"hf": path} if path and Path(path).is_dir() else {"ckpt": path}
     draft, draft_tokenizer = load_source(
         cls, **source, device=device, dtype=pick_dtype(args.dtype, device),
-        report=lambda line: print(f"draft: {line}", file=sys.stderr))
+        report=lambda line: print(line.replace("loaded ", "loaded draft ", 1), file=sys.stderr))
     if not same_tokens(tokenizer, draft_tokenizer):
         raise UserError(f"--draft {path}: its tokenizer ({draft_tokenizer.name}, "
                         f"{draft_tokenizer.n_vocab} tokens) is not the model's ({tokenizer.name}, "

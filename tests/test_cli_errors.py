@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from plumbing.checkpoint import ROOT
+from plumbing.checkpoint import BUNDLED, ROOT
 from conftest import TINY_CONFIGS, byte_tokenizer_spec, run_script, tiny_model
 
 
@@ -75,6 +75,21 @@ CASES = [  # (script, args, what the error line must mention)
     ("generate.py", ["--prompts-file", "{d}/empty.txt"], "no prompts"),
     ("generate.py", ["--prompts-file", "{d}/missing.txt"], "cannot read"),
     ("generate.py", ["--prompt", "a", "--prompts-file", "{d}/empty.txt"], "not allowed with"),
+    # speculative decoding (tests/test_speculative.py has the rest)
+    ("generate.py", ["--speculate", "4"], "needs a proposer"),
+    ("generate.py", ["--speculate", "0", "--prompt-lookup", "2"], "--speculate"),
+    ("generate.py", ["--prompt-lookup", "2"], "also give --speculate"),
+    ("generate.py", ["--draft", "{d}/tiny.pt"], "also give --speculate"),
+    ("generate.py", ["--speculate", "2", "--prompt-lookup", "0"], "--prompt-lookup"),
+    ("generate.py", ["--speculate", "2", "--prompt-lookup", "2", "--draft", "{d}/tiny.pt"], "not allowed with"),
+    ("generate.py", ["--speculate", "2", "--prompt-lookup", "2", "--no-cache"], "--no-cache"),
+    ("generate.py", ["--speculate", "2", "--prompt-lookup", "2", "--score", "{d}/empty.txt"], "--score"),
+    ("generate.py", ["--speculate", "2", "--draft", "{d}/missing.pt"], "no such file"),
+    ("generate.py", ["--speculate", "2", "--draft", ""], "empty path"),
+    ("generate.py", ["--speculate", "2", "--draft", "{d}/notes.txt"], "not a readable PyTorch checkpoint"),
+    ("generate.py", ["--ckpt", "{d}/tiny.pt", "--speculate", "2", "--draft", str(BUNDLED)],
+     "is not the model's"),
+    ("kv_cache.py", ["--draft", "{d}/tiny.pt"], "is not the model's"),
     ("kv_cache.py", ["--tokens", "0"], "--tokens"),
     ("kv_cache.py", ["--ckpt", "{d}/missing.pt"], "no such file"),
     ("kv_cache.py", ["--device", "tpu"], "--device"),
