@@ -332,10 +332,11 @@ def print_stats(r):
     spec = r["speculative"]
     if spec:
         rate = "n/a" if spec["acceptance_rate"] is None else f"{spec['acceptance_rate']:.1%}"
+        drafts = spec["draft_forward_passes"]
         lines.append(f"speculative:         {spec['proposer']}, up to {spec['speculate']} per step: "
                      f"{spec['proposed']} proposed, {spec['accepted']} accepted ({rate}) in "
                      f"{spec['verify_passes']} verifying passes"
-                     + (f"; {spec['draft_forward_passes']} draft passes" if spec["draft_forward_passes"] else ""))
+                     + (f"; {drafts} draft passes" if drafts else ""))
     if "cache_bytes_allocated" in r:
         lines += [f"KV cache:            {r['cache_formula']} = {r['cache_bytes_formula']:,} B by the formula",
                   f"                     {r['cache_bytes_allocated']:,} B allocated "

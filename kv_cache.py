@@ -91,8 +91,9 @@ class GenerationCache(Cache):
 
     def rollback(self, positions):
         """Forget every position from positions[b] on in row b (positions: (B,) LongTensor):
-        what the cache keeps is as if those tokens had never been fed. Speculative decoding feeds proposed tokens and keeps those the model
-        agrees with, a different number in every row.
+        what the cache keeps is as if those tokens had never been fed. Speculative decoding
+        feeds proposed tokens and keeps those the model agrees with, a different number in
+        every row.
 
         Rows are right-aligned (every row's newest token in the last column, so that a step
         writes all rows at one column), and a row's positions are its columns less its
@@ -100,9 +101,9 @@ class GenerationCache(Cache):
         that forgets more has its kept columns moved right by the difference, its padding
         growing as much, which leaves every kept key at its position:
 
-            before (length 6)      rollback([4, 2])       after (length 5)
-            row 0:  a b c d e f    keeps a b c d          row 0:  a b c d
-            row 1:  . . w x y z    keeps w x: moves 2     row 1:  . . . w x
+            before (length 6)      rollback([5, 2])       after (length 5)
+            row 0:  a b c d e f    keeps a b c d e        row 0:  a b c d e
+            row 1:  . . w x y z    keeps w x: moves 1     row 1:  . . . w x
         """
         held = self.length - (self.pad if self.pad is not None else 0)  # (B,) positions held
         if ((positions < 0) | (positions > held)).any():
@@ -180,6 +181,9 @@ class ConcatCache(GenerationCache):
             v[rows, :, column:column + other.length] = ov
 
     def _keep_columns(self, shift):
+        if not shift.any():  # no row moves: every row just ends earlier
+            self.layers = [(k[:, :, :self.length], v[:, :, :self.length]) for k, v in self.layers]
+            return
         source = source_columns(shift, self.length)[:, None, :, None]  # (B, 1, length, 1)
         self.layers = [(k.gather(2, source.expand(*k.shape[:2], -1, k.size(3))),
                         v.gather(2, source.expand(*v.shape[:2], -1, v.size(3))))
@@ -442,7 +446,7 @@ def speculative_step_by_hand(model, tokenizer, ids, k, n):
 
 def speculative_part(model, tokenizer, prompt, n_tokens, k, n, draft, kv):
     """Part 5: a step by hand, then whole generations with each proposer against plain."""
-    from generation.speculative import DraftModel, PromptLookup
+    from generation.speculative import PromptLookup
     n_vocab = tokenizer.n_vocab
     plain, plain_tps = timed_generate(model, prompt, n_tokens, n_vocab, **kv)
     speculative_step_by_hand(model, tokenizer, plain[0].tolist(), k, n)
@@ -480,7 +484,8 @@ def main():
     add_speculation_args(parser)
     args = parser.parse_args()
     model, tokenizer, device = load_from_args(KVCacheGPT, args)
-    draft = proposer_from_args(KVCacheGPT, args, tokenizer, device) if args.draft else None
+    args.speculate = args.speculate or 4  # part 5: prompt lookup always, the draft if given
+    draft = proposer_from_args(KVCacheGPT, args, tokenizer, device) if args.draft is not None else None
     kv = {"cache_kind": args.kv_dtype} if args.kv_dtype else {}  # the loop's, or its default
     try:
         model.new_cache(1, args.kv_dtype)
@@ -563,7 +568,7 @@ def main():
 
     print("\n5. Speculative decoding: propose tokens, check them in one pass, roll the cache back")
     with torch.no_grad():
-        speculative_part(model, tokenizer, prompt, args.tokens, args.speculate or 4,
+        speculative_part(model, tokenizer, prompt, args.tokens, args.speculate,
                          args.prompt_lookup or 3, draft, kv)
 
 

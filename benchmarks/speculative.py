@@ -115,13 +115,13 @@ def summarize(results, n_tokens, reference):
     rows = {}
     for name, runs in results.items():
         outputs, _, stats = runs[-1]
+        same = sum(leading_matches(a, b) for a, b in zip(outputs, results[reference][-1][0]))
         rows[name] = {"tok_s": spread([n_tokens / seconds for _, seconds, _ in runs]),
-                      "same_tokens": sum(leading_matches(a, b) for a, b in zip(outputs, results[reference][-1][0])),
-                      "of_tokens": n_tokens}
+                      "same_tokens": same, "of_tokens": n_tokens}
         if stats is not None and stats.verify_passes:
+            per_pass = (stats.accepted + stats.verify_passes) / stats.verify_passes
             rows[name].update(proposed=stats.proposed, accepted=stats.accepted,
-                              verify_passes=stats.verify_passes,
-                              tokens_per_verification=(stats.accepted + stats.verify_passes) / stats.verify_passes)
+                              verify_passes=stats.verify_passes, tokens_per_verification=per_pass)
     return rows
 
 
@@ -134,7 +134,8 @@ def speedup(rows, name, plain):
 def prompt_lookup_section(model, prompts, n, reps, k, ngram, peers=True):
     """Ours, transformers and llama.cpp, each plain and with prompt lookup."""
     runs = {"ours plain": ours(model, prompts, n),
-            f"ours lookup K={k} N={ngram}": ours(model, prompts, n, speculate=k, proposer=PromptLookup(ngram))}
+            f"ours lookup K={k} N={ngram}": ours(model, prompts, n, speculate=k,
+                                                 proposer=PromptLookup(ngram))}
     notes = []
     theirs = transformers_twin(model, model.lm_head.weight.device) if peers else None
     if theirs is not None:
@@ -332,7 +333,8 @@ def print_row(name, row):
               if "proposed" in row else "")
     per = f"{row['tokens_per_verification']:.2f}" if "tokens_per_verification" in row else ""
     print(f"| {name} | {tok_s['median']:.1f} [{tok_s['min']:.1f}-{tok_s['max']:.1f}] | "
-          f"{row['speedup_over_own_plain']:.2f}x | {row['same_tokens']} of {row['of_tokens']} | {counts} | {per} |")
+          f"{row['speedup_over_own_plain']:.2f}x | {row['same_tokens']} of {row['of_tokens']} | "
+          f"{counts} | {per} |")
 
 
 def main():

@@ -149,7 +149,8 @@ class Generation:
         """Yield the step's tokens one position at a time: (rows, tokens) of the rows that
         have a token there and have not finished (with compile, finished rows stay in the
         batch: their tokens are not handed out). A row that reaches max_new_tokens finishes."""
-        counts = counts.tolist()
+        # one token per row (plain decoding): no need to wait for counts to reach the CPU
+        counts = counts.tolist() if tokens.size(1) > 1 else [1] * len(active)
         for position in range(tokens.size(1)):
             keep = [i for i, row in enumerate(active)
                     if row not in self.finished and counts[i] > position]

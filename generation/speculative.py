@@ -27,8 +27,8 @@ Two proposers, the same small interface (start, propose, accept, select_rows):
                   (code, quotes, a greedy loop); q is a point mass on the proposal.
     DraftModel    a smaller model with the same tokenizer, decoding K tokens ahead with
                   its own cache; q is its (filtered) distribution.
-verify() is the rule above (the loop calls it through its proposer). docs/speculative.md has the arithmetic: expected tokens per
-verification, and when a draft model pays.
+verify() is the rule above (the loop calls it through its proposer). docs/speculative.md
+has the arithmetic: expected tokens per verification, and when a draft model pays.
 """
 
 from dataclasses import dataclass

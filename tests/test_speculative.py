@@ -304,3 +304,25 @@ def test_generate_py_same_text_stop_strings_and_stats(ckpt, proposer):
     assert fast["stats"]["forward_passes"] <= plain["stats"]["forward_passes"]
     stats = run_generate(ckpt, *prompts, "--speculate", "3", *proposer, "--stats").stderr
     assert "speculative:" in stats and "accepted" in stats
+
+
+@pytest.mark.parametrize("source, extra", [("hf", []), ("ckpt", ["--kv-dtype", "int8"]),
+                                           ("ckpt", ["--quantize", "int8"])],
+                         ids=["hf-dirs", "kv-int8", "quantize-int8"])
+def test_generate_py_with_hf_directories_a_quantized_cache_and_weights(ckpt, source, extra):
+    """The draft as a Hugging Face directory beside the model's; the model's cache in int8;
+    both models' weights in int8: the same greedy text as without --speculate."""
+    if source == "hf":
+        from export_hf import export
+        for name in ("model", "draft"):
+            if not (ckpt / name).exists():
+                export(ckpt / f"{name}.pt", ckpt / name, report=lambda line: None)
+        model, draft = ["--hf", ckpt / "model"], ckpt / "draft"
+    else:
+        model, draft = ["--ckpt", ckpt / "model.pt"], ckpt / "draft.pt"
+    args = [*model, "--temperature", "0", "--prompt", "abcabcabc", "--max-new-tokens", "80",
+            "--ignore-eot", *extra]
+    plain = run_script("generate.py", *args)
+    fast = run_script("generate.py", *args, "--speculate", "3", "--draft", draft, "--stats")
+    assert plain.returncode == fast.returncode == 0, fast.stderr
+    assert fast.stdout == plain.stdout and "loaded draft" in fast.stderr
