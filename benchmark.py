@@ -169,6 +169,8 @@ def main():
         plt = import_pyplot()
 
     model, tokenizer, device = load_from_args(KVCacheGPT, args)
+    # the speculative section runs last: its flags and its draft are checked now
+    spec_plan = None if args.no_speculative else speculative.plan(args, model, tokenizer)
     reps, shape = args.reps, f"{args.shape} shape"
     shape_model = random_model(args.shape, device)  # random weights, shared by the sections
     r = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
@@ -200,7 +202,7 @@ def main():
         text = args.kv_peer_text.read_text(encoding="utf-8")[:args.kv_peer_chars]
         r["quantized_peer"] = quantized_peer(model, tokenizer, text, args.kv_position, reps)
     if not args.no_speculative:  # on the fp32 weights, as the peers get them
-        r["speculative"] = speculative.speculative_section(fp32_checkpoint(args, model), tokenizer,
+        r["speculative"] = speculative.speculative_section(fp32_checkpoint(args, model), spec_plan,
                                                            args, peers=not args.no_peer)
     r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print_report(r)

@@ -427,7 +427,7 @@ def main():
             raise UserError("--no-cache generates one prompt at a time (the naive loop has no "
                             "padding); pass a single prompt, or drop --no-cache")
     model, tokenizer, device = load_from_args(GPT if args.no_cache else KVCacheGPT, args)
-    proposer = proposer_from_args(KVCacheGPT, args, tokenizer, device)
+    proposer = proposer_from_args(KVCacheGPT, args, model, tokenizer, device)
     if args.kv_dtype:
         try:  # a quantized cache needs a head size it can pack
             model.new_cache(1, args.kv_dtype)

@@ -485,7 +485,7 @@ def main():
     args = parser.parse_args()
     model, tokenizer, device = load_from_args(KVCacheGPT, args)
     args.speculate = args.speculate or 4  # part 5: prompt lookup always, the draft if given
-    draft = proposer_from_args(KVCacheGPT, args, tokenizer, device) if args.draft is not None else None
+    draft = proposer_from_args(KVCacheGPT, args, model, tokenizer, device) if args.draft is not None else None
     kv = {"cache_kind": args.kv_dtype} if args.kv_dtype else {}  # the loop's, or its default
     try:
         model.new_cache(1, args.kv_dtype)

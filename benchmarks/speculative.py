@@ -22,6 +22,7 @@ E the tokens a verification gives (measured), t_1 the model's one-token step, t_
 draft's, t_verify(K) the model's pass over K + 1 tokens.
 """
 
+import argparse
 import statistics
 import tempfile
 import time
@@ -41,8 +42,8 @@ from generation.loop import GenerationStats, generate_tokens, synchronize  # noq
 from generation.speculative import DraftModel, PromptLookup  # noqa: E402
 from kv_cache import KVCacheGPT  # noqa: E402
 from plumbing.checkpoint import ROOT  # noqa: E402
-from plumbing.cli import (ArgumentParser, add_model_args, load_from_args, load_source,  # noqa: E402
-                          positive_int, same_tokens)
+from plumbing.cli import (ArgumentParser, add_model_args, load_draft, load_from_args,  # noqa: E402
+                          ngram_size, positive_int)
 
 HELDOUT = ROOT / "checkpoints" / "shakespeare" / "heldout.txt"
 BUNDLED_DRAFT = ROOT / "checkpoints" / "shakespeare-draft" / "ckpt.pt"
@@ -182,6 +183,10 @@ def draft_section(model, draft, prompts, n, reps, ks, peers=True):
     theirs = transformers_twin(model, model.lm_head.weight.device) if peers else None
     notes = []
     if theirs is not None:
+        from transformers.utils import logging as transformers_logging
+        # its assisted generation warns about the arguments it passes its own assistant
+        # (min_new_tokens with a generation config): nothing a caller can change
+        transformers_logging.set_verbosity_error()
         assistant = transformers_twin(draft, draft.lm_head.weight.device)
         # a constant K, and no early stop on the assistant's confidence: the same K as ours
         assistant.generation_config.assistant_confidence_threshold = 0.0
@@ -245,24 +250,58 @@ def acceptance_from_tokens_per_step(tokens, k):
     return (low + high) / 2
 
 
-def speculative_section(model, tokenizer, args, peers=True):
-    """Both parts, as benchmark.py runs them; the draft part needs a draft model."""
-    text = Path(args.spec_text).read_text(encoding="utf-8")
+def plan(args, model, tokenizer):
+    """What the section will run, checked before any measuring (benchmark.py runs it last,
+    after minutes of other sections): the prompts, the tokens after each, the draft model
+    (None when there is none). A bad flag is one line (UserError)."""
+    context_len = model.config.context_len
+    for flag, ks in (("--spec-lookup-k", [args.spec_lookup_k]), ("--spec-ks", args.spec_ks)):
+        if max(ks) >= context_len:  # a step feeds the newest token and K proposals
+            raise UserError(f"{flag}: {max(ks)} proposals and the newest token do not fit in the "
+                            f"model's context of {context_len}; use at most {context_len - 1}")
+    if args.spec_prompt_tokens >= context_len:
+        raise UserError(f"--spec-prompt-tokens {args.spec_prompt_tokens}: leaves no room to generate "
+                        f"in the model's context of {context_len}")
+    try:
+        text = Path(args.spec_text).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--spec-text {args.spec_text}: cannot read it as UTF-8 text ({e})") from None
     prompts = heldout_prompts(tokenizer, text, args.spec_prompts, args.spec_prompt_tokens)
-    n = min(args.spec_tokens, model.config.context_len - args.spec_prompt_tokens)  # no reprefill
+    n = min(args.spec_tokens, context_len - args.spec_prompt_tokens)  # no reprefill
+    return {"prompts": prompts, "tokens": n, **draft_model(args, model, tokenizer)}
+
+
+def draft_model(args, model, tokenizer):
+    """{"draft": the --spec-draft model, loaded as generate.py --draft loads it (float32,
+    unquantized, as the peers get it), "draft_path": its path}; without --spec-draft the
+    bundled draft if it drafts for this model, else {"draft": None, "note": why}."""
+    path = args.spec_draft or BUNDLED_DRAFT
+    if args.spec_draft is None and not BUNDLED_DRAFT.exists():
+        return {"draft": None, "note": f"skipped: {BUNDLED_DRAFT} is missing (--spec-draft PATH)"}
+    fp32_args = argparse.Namespace(dtype="float32", quantize="none", group_size=None)
+    try:
+        draft = load_draft(KVCacheGPT, str(path), tokenizer, model.lm_head.weight.device, fp32_args,
+                           flag="--spec-draft" if args.spec_draft else "the bundled draft",
+                           report=lambda line: None)
+    except UserError as e:
+        if args.spec_draft is not None:
+            raise
+        # the bundled draft drafts for the bundled model: another model goes on without it
+        return {"draft": None, "note": f"skipped: {e} (--spec-draft PATH)"}
+    return {"draft": draft, "draft_path": path}
+
+
+def speculative_section(model, planned, args, peers=True):
+    """Both parts, as benchmark.py runs them (planned: plan()'s); the draft part needs a
+    draft model."""
+    prompts, n, draft = planned["prompts"], planned["tokens"], planned["draft"]
     result = {"prompt_lookup": prompt_lookup_section(model, prompts, n, args.reps, args.spec_lookup_k,
                                                      args.spec_lookup_ngram, peers)}
-    draft_path = args.spec_draft or (BUNDLED_DRAFT if BUNDLED_DRAFT.exists() else None)
-    if draft_path is None:
-        result["draft"] = {"note": f"skipped: no draft model ({BUNDLED_DRAFT} is missing; --spec-draft PATH)"}
+    if draft is None:
+        result["draft"] = {"note": planned["note"]}
         return result
-    device = model.lm_head.weight.device
-    draft, draft_tokenizer = load_source(KVCacheGPT, str(draft_path), device=device,
-                                         dtype=model.lm_head.weight.dtype, report=lambda line: None)
-    if not same_tokens(tokenizer, draft_tokenizer):
-        raise UserError(f"--spec-draft {draft_path}: its tokenizer is not the model's")
     result["draft"] = draft_section(model, draft, prompts, n, args.reps, args.spec_ks, peers)
-    result["draft"]["draft"] = str(draft_path)
+    result["draft"]["draft"] = str(planned["draft_path"])
     return result
 
 
@@ -274,11 +313,12 @@ def add_arguments(p):
                    help="greedy tokens after each prompt (default: 120)")
     p.add_argument("--spec-lookup-k", type=positive_int, default=8,
                    help="our prompt lookup's proposals per step (default: 8)")
-    p.add_argument("--spec-lookup-ngram", type=positive_int, default=2,
+    p.add_argument("--spec-lookup-ngram", type=ngram_size, default=2,
                    help="our prompt lookup's longest n-gram (default: 2, as the peers')")
     p.add_argument("--spec-ks", type=lambda t: sorted({positive_int(x) for x in t.split(",")}),
                    help="the draft model's K values (default: 1,...,8; quick 1,4)")
-    p.add_argument("--spec-draft", metavar="CKPT", help=f"the draft model (default: {BUNDLED_DRAFT})")
+    p.add_argument("--spec-draft", metavar="CKPT_OR_DIR", help="the draft model, a checkpoint "
+                   f"or a Hugging Face directory (default: {BUNDLED_DRAFT})")
     p.add_argument("--spec-text", default=str(HELDOUT), help="text the prompts come from "
                    "(default: the bundled held-out plays)")
 
@@ -353,7 +393,8 @@ def main():
     args.reps = args.reps or (1 if args.quick else 3)
     model, tokenizer, _ = load_from_args(KVCacheGPT, args)
     print(f"# speculative decoding, {torch.get_num_threads()} threads, median [min-max] of {args.reps} runs")
-    print_section(speculative_section(model, tokenizer, args, peers=not args.no_peer))
+    planned = plan(args, model, tokenizer)
+    print_section(speculative_section(model, planned, args, peers=not args.no_peer))
 
 
 if __name__ == "__main__":

@@ -88,6 +88,9 @@ class Generation:
         check_sampling_args(temperature, top_k, top_p)
         if bool(speculate) != (proposer is not None):
             raise ValueError("speculative decoding needs both speculate=K (K >= 1) and a proposer")
+        if speculate >= model.config.context_len:  # a step feeds the newest token and K proposals
+            raise ValueError(f"speculate={speculate}: K + 1 positions per step must fit in the "
+                             f"context of {model.config.context_len}")
         self.model, self.prompts, self.max_new_tokens = model, prompts, max_new_tokens
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         self.num_samples, self.vocab_limit = num_samples, vocab_limit
@@ -113,8 +116,9 @@ class Generation:
         if self.compile:  # with speculation, the step that checks K proposals is the one compiled
             self.stats.compile_seconds = compiled_step.compile_for(
                 self.model, cache, tokens_per_step=self.speculate + 1)
-        if self.proposer:
-            self.proposer.start(self.row_prompts(), self.sampling, self.vocab_limit,
+        if self.proposer:  # it proposes among the ids the model samples from
+            self.proposer.start(self.row_prompts(), self.sampling,
+                                self.vocab_limit or self.model.config.vocab_size,
                                 history.device, self.compile, self.stats)
         active = list(range(history.size(0)))  # the row number of each row in the batch
         tokens = sample(logits[:, :self.vocab_limit], **self.sampling)     # (batch, 1)

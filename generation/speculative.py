@@ -108,7 +108,9 @@ def residual(p, q):
 
 class Proposer:
     """What the loop asks of a proposer, once per row set:
-        start(prompts, ...)    the rows' prompts (token-id lists) before the first token
+        start(prompts, ...)    the rows' prompts (token-id lists) before the first token,
+                               the sampling settings, vocab_limit (the model samples
+                               token ids below it), the device
         accept(tokens, counts) after every step: row b was given tokens[b, :counts[b]]
         propose(k)             Proposals of at most k tokens per row, for the next step
         select_rows(index)     rows leave (finished) or repeat, as the loop's cache does
@@ -141,9 +143,13 @@ class PromptLookup(Proposer):
     keeps an index {n-gram: where its latest continuation starts}, updated as tokens
     arrive, so a lookup costs O(max_ngram) whatever the length of the text."""
 
+    # Each token enters the index once per n, as an n-token key: memory per token grows as
+    # max_ngram squared (~0.3 kB at 3, 2.2 kB at 16, 21 kB at 64). The peers match 2-4.
+    MAX_NGRAM = 16
+
     def __init__(self, max_ngram):
-        if max_ngram < 1:
-            raise ValueError(f"prompt lookup matches n-grams of n >= 1, got {max_ngram}")
+        if not 1 <= max_ngram <= self.MAX_NGRAM:
+            raise ValueError(f"prompt lookup matches n-grams of n = 1..{self.MAX_NGRAM}, got {max_ngram}")
         self.max_ngram = max_ngram
 
     def start(self, prompts, *args, **kwargs):
@@ -208,6 +214,9 @@ class DraftModel(Proposer):
         self.context_len = model.config.context_len
 
     def start(self, prompts, sampling, vocab_limit, device, compile=False, stats=None):
+        if self.model.config.vocab_size < vocab_limit:  # q must cover every token p does
+            raise ValueError(f"the draft's vocabulary of {self.model.config.vocab_size} tokens "
+                             f"is smaller than the model's {vocab_limit}")
         super().start(prompts, sampling, vocab_limit, device, compile, stats)
         self.drafted = None
         self.restart(keep=self.context_len)

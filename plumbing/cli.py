@@ -137,13 +137,21 @@ def add_speculation_args(parser):
                         "model (greedy text unchanged, sampling from the same distribution); "
                         "with --prompt-lookup or --draft")
     proposer = parser.add_mutually_exclusive_group()
-    proposer.add_argument("--prompt-lookup", type=positive_int, metavar="N", help="propose what "
-                          "followed the last up-to-N tokens where they occurred before, in the "
-                          "prompt or the text so far")
+    proposer.add_argument("--prompt-lookup", type=ngram_size, metavar="N", help="propose what "
+                          "followed the last up-to-N tokens (N: 1..16) where they occurred before, "
+                          "in the prompt or the text so far")
     proposer.add_argument("--draft", metavar="CKPT_OR_DIR", help="propose with a smaller model "
                           "that has the same tokenizer: a checkpoint file or a Hugging Face "
                           "directory (bundled: checkpoints/shakespeare-draft/ckpt.pt); it loads "
                           "with the same --device, --dtype and --quantize")
+
+
+def ngram_size(text):
+    value = positive_int(text)
+    if value > PromptLookup.MAX_NGRAM:
+        raise argparse.ArgumentTypeError(f"must be <= {PromptLookup.MAX_NGRAM} (the lookup's index "
+                                         f"holds every n-gram up to N of the text), got {value}")
+    return value
 
 
 def check_speculation_args(parser, args):
@@ -156,32 +164,59 @@ def check_speculation_args(parser, args):
         parser.error(f"{flag}: also give --speculate K, how many tokens to propose per step")
 
 
-def proposer_from_args(cls, args, tokenizer, device):
-    """The proposer the flags name, or None without --speculate; a draft model is loaded
-    (as `cls`, with the model's --device, --dtype and --quantize) and must share the
-    model's tokenizer: its proposals are token ids."""
+def proposer_from_args(cls, args, model, tokenizer, device):
+    """The proposer the flags name for `model`, or None without --speculate."""
     if not args.speculate:
         return None
+    context_len = model.config.context_len
+    if args.speculate >= context_len:  # the step feeds the newest token and K proposals
+        raise UserError(f"--speculate {args.speculate}: a step checks K proposals after the newest "
+                        f"token, K + 1 positions in a context of {context_len}; use at most {context_len - 1}")
     if args.prompt_lookup is not None:
         return PromptLookup(args.prompt_lookup)
-    path = args.draft
+    return DraftModel(load_draft(cls, args.draft, tokenizer, device, args, flag="--draft"))
+
+
+def load_draft(cls, path, tokenizer, device, args, flag="--draft", report=None):
+    """A draft model from a checkpoint file or a Hugging Face directory, loaded as `cls` the
+    way the model was (args: its --dtype, --quantize, --group-size; the decode-speed layout),
+    on `device`. Refused in one line naming `flag` when it cannot be loaded or its tokenizer
+    is not the model's: its proposals are token ids. report(line) receives the "loaded" line
+    (default: stderr, as "loaded draft ...")."""
+    if report is None:
+        def report(line):
+            print(line.replace("loaded ", "loaded draft ", 1), file=sys.stderr)
     source = {"hf": path} if path and Path(path).is_dir() else {"ckpt": path}
-    draft, draft_tokenizer = load_source(
-        cls, **source, device=device, dtype=pick_dtype(args.dtype, device),
-        report=lambda line: print(line.replace("loaded ", "loaded draft ", 1), file=sys.stderr))
-    if not same_tokens(tokenizer, draft_tokenizer):
-        raise UserError(f"--draft {path}: its tokenizer ({draft_tokenizer.name}, "
-                        f"{draft_tokenizer.n_vocab} tokens) is not the model's ({tokenizer.name}, "
-                        f"{tokenizer.n_vocab} tokens); a draft proposes token ids, so it needs the same one")
     try:
-        prepare_for_generation(draft, args)
-    except UserError as e:
-        raise UserError(f"--draft {path}: {e}") from None
-    return DraftModel(draft)
+        draft, draft_tokenizer = load_source(cls, **source, device=device,
+                                             dtype=pick_dtype(args.dtype, device), report=report)
+        difference = tokenizer_difference(draft_tokenizer, tokenizer)
+        if difference:
+            raise UserError(f"{path}: its tokenizer ({draft_tokenizer.name}) is not the model's "
+                            f"({tokenizer.name}): {difference}; a draft proposes token ids, so "
+                            "it needs the model's tokenizer")
+        return prepare_for_generation(draft, args)
+    except UserError as e:  # which of the two paths was wrong: say it is the draft
+        raise UserError(f"{flag}: {e}") from None
 
 
-def same_tokens(a, b):
-    """Whether two tokenizers give every id the same bytes (all a draft needs to share)."""
-    return (a.n_vocab == b.n_vocab and a.eot_token == b.eot_token and
-            all(a.decode_single_token_bytes(i) == b.decode_single_token_bytes(i)
-                for i in range(a.n_vocab)))
+def tokenizer_difference(draft, model):
+    """Why two tokenizers do not give every id the same bytes (all a draft needs to share
+    with the model), or None when they do."""
+    if draft.n_vocab != model.n_vocab:
+        return f"a vocabulary of {draft.n_vocab} tokens, the model's {model.n_vocab}"
+    if draft.eot_token != model.eot_token:
+        return f"end of text is token {draft.eot_token}, the model's {model.eot_token}"
+    for i in range(draft.n_vocab):
+        theirs, ours = token_bytes(draft, i), token_bytes(model, i)
+        if theirs != ours:
+            return f"token {i} is {theirs!r}, the model's {ours!r}"
+    return None
+
+
+def token_bytes(tokenizer, i):
+    """The bytes of token i, or None where the vocabulary has no token i (ids may have gaps)."""
+    try:
+        return tokenizer.decode_single_token_bytes(i)
+    except KeyError:
+        return None

@@ -18,6 +18,7 @@ from p instead of the residual after a rejection) gives p-values far below 1e-4:
 can fail. Logits tolerance for the rollback: 1e-4 absolute (fp32), as in test_batch.py."""
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from conftest import byte_tokenizer, run_script, tiny_model
 from generation import compiled_step, speculative
 from generation.loop import Generation, GenerationStats, generate_tokens, left_pad
 from generation.speculative import DraftModel, PromptLookup
+from plumbing.checkpoint import BUNDLED
 from sample import probabilities
 from serving.engine import Engine, SamplingParams
 
@@ -120,6 +122,28 @@ def test_needs_speculate_and_a_proposer_together(model):
         Generation(model, [[1]], 5, speculate=3)
     with pytest.raises(ValueError, match="speculate"):
         Generation(model, [[1]], 5, proposer=PromptLookup(2))
+
+
+def test_a_draft_proposes_among_the_models_tokens(model):
+    """A draft's embedding table may be larger than the model's (padding rows): it proposes
+    below the model's size (or vocab_limit), and sampling stays exact in shape. One smaller
+    than the tokens the model samples from is refused: q could not cover p."""
+    padded = DraftModel(tiny_model(GPTConfig(**{**vars(DRAFT), "vocab_size": 300}), seed=33))
+    prompts = random_prompts([4, 11])
+    for options in (dict(temperature=0), dict(temperature=1.0, generator=torch.Generator())):
+        fast = generate_tokens(model, prompts, 30, speculate=3, proposer=padded, **options)
+        assert fast.shape == (2, 30) and int(fast.max()) < CONFIG.vocab_size
+    plain = generate_tokens(model, prompts, 30, temperature=0)
+    assert torch.equal(generate_tokens(model, prompts, 30, temperature=0, speculate=3, proposer=padded),
+                       plain)
+    small = DraftModel(tiny_model(GPTConfig(**{**vars(DRAFT), "vocab_size": 200}), seed=34))
+    with pytest.raises(ValueError, match="vocabulary of 200 tokens is smaller than the model's 260"):
+        generate_tokens(model, prompts, 5, temperature=0, speculate=3, proposer=small)
+    # with vocab_limit (a tokenizer of 200 tokens, within both tables) the small draft does
+    prompts = [[t % 200 for t in p] for p in prompts]
+    assert torch.equal(generate_tokens(model, prompts, 30, temperature=0, speculate=3, proposer=small,
+                                       vocab_limit=200),
+                       generate_tokens(model, prompts, 30, temperature=0, vocab_limit=200))
 
 
 def test_prompt_lookup_proposes_what_followed_and_continues_a_repeat():
@@ -326,3 +350,20 @@ def test_generate_py_with_hf_directories_a_quantized_cache_and_weights(ckpt, sou
     fast = run_script("generate.py", *args, "--speculate", "3", "--draft", draft, "--stats")
     assert plain.returncode == fast.returncode == 0, fast.stderr
     assert fast.stdout == plain.stdout and "loaded draft" in fast.stderr
+
+
+def test_the_bundled_model_and_its_bundled_draft():
+    """What a fresh clone has: the bundled draft shares the bundled model's tokenizer, and
+    both proposers give plain decoding's greedy text on the real pair."""
+    draft = BUNDLED.parent.parent / "shakespeare-draft" / "ckpt.pt"
+    args = ["--prompt", "ROMEO:", "--prompt", "First Witch:", "--temperature", "0",
+            "--max-new-tokens", "48", "--ignore-eot", "--json"]
+    plain = json.loads(run_script("generate.py", *args).stdout)
+    for proposer in (["--prompt-lookup", "3"], ["--draft", draft]):
+        proc = run_script("generate.py", *args, "--speculate", "4", *proposer)
+        assert proc.returncode == 0, proc.stderr
+        fast = json.loads(proc.stdout)
+        assert fast["texts"] == plain["texts"]
+        spec = fast["stats"]["speculative"]
+        assert 0 < spec["accepted"] <= spec["proposed"]
+        assert fast["stats"]["forward_passes"] < plain["stats"]["forward_passes"]
