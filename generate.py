@@ -42,6 +42,7 @@ from plumbing.cli import (ArgumentParser, add_model_args, add_speculation_args, 
                           check_speculation_args, load_from_args, positive_int, proposer_from_args)
 from plumbing.outputs import json_text  # noqa: E402
 from plumbing.text_stream import SampleText  # noqa: E402
+from plumbing.user_text import TextError, check_text, encode_text  # noqa: E402
 from plumbing.validation import check_fits_in_memory, generation_memory, max_text_bytes  # noqa: E402
 from sample import check_sampling_args  # noqa: E402
 
@@ -104,19 +105,35 @@ def parse_args():
         p.error("--kv-dtype: --no-cache keeps no cache to store; drop one of them")
     if args.compile and args.kv_dtype:
         p.error("--compile: its static step writes the model-dtype cache; drop --kv-dtype or --compile")
+    if args.score is not None:
+        refuse_generation_flags(p, args)
     check_speculation_args(p, args)
     if args.speculate and args.no_cache:
         p.error("--speculate: speculative decoding rolls a cache back, and --no-cache keeps none; "
                 "drop one of them")
-    if args.speculate and args.score:
-        p.error("--speculate applies to generating text, not to --score")
     return args
+
+
+# what only generating uses: with --score each is refused rather than silently ignored
+GENERATION_FLAGS = ["--max-new-tokens", "--temperature", "--top-k", "--top-p", "--num-samples",
+                    "--stop", "--ignore-eot", "--compile", "--speculate", "--prompt-lookup", "--draft",
+                    "--no-stream", "--stats"]
+
+
+def refuse_generation_flags(p, args):
+    for flag in GENERATION_FLAGS:
+        dest = flag.removeprefix("--").replace("-", "_")
+        if getattr(args, dest) != p.get_default(dest):
+            p.error(f"{flag} applies to generating; --score reads the file through the model "
+                    "and generates nothing: drop one of them")
 
 
 def read_text(path, what):
     """The contents of a UTF-8 text file, or one UserError line saying why not. No more is
     read than memory can tokenize: /dev/zero, say, never ends."""
     limit = max_text_bytes()
+    if path == "":
+        raise UserError(f"{what}: empty path given (an unset shell variable?)")
     if path == "-":
         if sys.stdin is None:  # started with <&-
             raise UserError(f"{what} -: standard input is closed")
@@ -183,28 +200,36 @@ def row_headers(n_prompts, n_samples):
 def read_prompts(args):
     """The prompt texts from --prompt (repeatable; - reads standard input), --prompt-file
     or --prompts-file."""
-    if args.prompt_file:
+    if args.prompt_file is not None:
         return [read_text(args.prompt_file, "--prompt-file")]
-    if args.prompts_file:
+    if args.prompts_file is not None:
         return parse_prompts_file(read_text(args.prompts_file, "--prompts-file"), args.prompts_file)
     return [read_text("-", "--prompt") if p == "-" else p for p in args.prompt or [""]]
 
 
 def parse_prompts_file(text, path):
     """JSON Lines: per line a JSON string, or an object with a "prompt" string (so other
-    fields may ride along). Blank lines are skipped; a JSON string may hold newlines."""
+    fields may ride along). Lines end at "\\n" only, as JSON Lines says (splitlines() would
+    also cut at U+2028, U+0085 or a vertical tab, which a JSON string may hold); blank
+    lines are skipped; a JSON string may hold newlines as \\n."""
     prompts = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
+        where = f"--prompts-file {path}: line {number}"
         try:
             item = json.loads(line)
         except ValueError as e:
-            raise UserError(f"--prompts-file {path}: line {number}: not JSON ({e.msg})") from None
+            raise UserError(f"{where}: not JSON ({getattr(e, 'msg', e)})") from None
+        except RecursionError:
+            raise UserError(f"{where}: nested too deeply to be a prompt") from None
         prompt = item.get("prompt") if isinstance(item, dict) else item
         if not isinstance(prompt, str):
-            raise UserError(f"--prompts-file {path}: line {number}: expected a JSON string or "
-                            'an object with a "prompt" string')
+            raise UserError(f"{where}: expected a JSON string or an object with a \"prompt\" string")
+        try:
+            check_text(prompt)
+        except TextError as e:
+            raise UserError(f"{where}: {e}") from None
         prompts.append(prompt)
     if not prompts:
         raise UserError(f"--prompts-file {path}: no prompts in it")
@@ -213,22 +238,31 @@ def parse_prompts_file(text, path):
 
 def encode_prompt(text, tokenizer, context_len):
     """Token ids of the prompt; an empty one starts from the end-of-text token."""
-    ids = tokenizer.encode_ordinary(text) or [tokenizer.eot_token]
+    ids = encode_user_text(tokenizer, text, "the prompt") or [tokenizer.eot_token]
     if len(ids) > context_len:
         print(f"note: the prompt has {len(ids)} tokens and the context {context_len}; "
               f"keeping its last {context_len}", file=sys.stderr)
     return ids
 
 
+def encode_user_text(tokenizer, text, what):
+    try:
+        return encode_text(tokenizer, text)
+    except TextError as e:
+        raise UserError(f"{what}: {e}") from None
+
+
 def generate(args, prompts, model, tokenizer, device, proposer):
-    rows = [i for i in range(len(prompts)) for _ in range(args.num_samples)]  # prompt-major
+    # checked before anything per row exists: 10**12 rows must not start to be listed
+    n_rows = len(prompts) * args.num_samples
     kv_dtype = args.kv_dtype or dtype_name(model.lm_head.weight.dtype)
-    rows_bytes = generation_memory(model.config, len(rows), kv_dtype)
+    rows_bytes = generation_memory(model.config, n_rows, kv_dtype)
     if isinstance(proposer, DraftModel):  # its own cache for every row
         draft = proposer.model
-        rows_bytes += generation_memory(draft.config, len(rows), dtype_name(draft.lm_head.weight.dtype))
-    check_fits_in_memory(rows_bytes, f"decoding {len(rows):,} rows together",
+        rows_bytes += generation_memory(draft.config, n_rows, dtype_name(draft.lm_head.weight.dtype))
+    check_fits_in_memory(rows_bytes, f"decoding {n_rows:,} rows together",
                          f"--num-samples {args.num_samples} with {len(prompts)} prompts")
+    rows = [i for i in range(len(prompts)) for _ in range(args.num_samples)]  # prompt-major
     ids = [encode_prompt(p, tokenizer, model.config.context_len) for p in prompts]
     samples = [SampleText(tokenizer, args.stop, not args.ignore_eot) for _ in rows]
     printer = Printer(samples, [prompts[i] for i in rows], row_headers(len(prompts), args.num_samples))
@@ -352,7 +386,7 @@ def score(model, tokenizer, text, device, kv_dtype=None):
     every token after the first window is predicted from at least context_len/2 tokens. Each
     window is one forward pass; with kv_dtype, the windows go through a cache of that kind
     instead (nats_through_cache), with the same windows and so the same contexts."""
-    ids = torch.tensor([tokenizer.eot_token] + tokenizer.encode_ordinary(text), device=device)
+    ids = torch.tensor([tokenizer.eot_token] + encode_user_text(tokenizer, text, "--score"), device=device)
     context_len, n_targets = model.config.context_len, ids.numel() - 1
     windows = score_windows(n_targets, context_len)
     if kv_dtype:
@@ -417,7 +451,7 @@ def nats_through_cache(ids, windows, context_len, new_cache, forward, rows=16):
 def main():
     args = parse_args()
     # read the input first: a bad file should fail before the model is loaded
-    if args.score:
+    if args.score is not None:
         text = read_text(args.score, "--score")
         if not text:
             raise UserError(f"--score {args.score}: the file is empty")
@@ -433,7 +467,7 @@ def main():
             model.new_cache(1, args.kv_dtype)
         except ValueError as e:
             raise UserError(f"--kv-dtype {args.kv_dtype}: {e}") from None
-    if not args.score:
+    if args.score is None:
         return generate(args, prompts, model, tokenizer, device, proposer)
     result = score(model, tokenizer, text, device, args.kv_dtype)
     if args.json:

@@ -468,8 +468,8 @@ def speculative_part(model, tokenizer, prompt, n_tokens, k, n, draft, kv):
 def main():
     # the command-line layer, for the demo only: importing this module never loads it
     from kv_quant import KV_DTYPES
-    from plumbing.cli import (ArgumentParser, add_model_args, add_speculation_args, load_from_args,
-                              positive_int, prepare_for_generation, proposer_from_args)
+    from plumbing.cli import (ArgumentParser, add_model_args, add_speculation_args, check_speculate,
+                              load_from_args, positive_int, prepare_for_generation, proposer_from_args)
     from plumbing.script import UserError
 
     parser = ArgumentParser(description="KV-cache demo: parity with a full forward, "
@@ -485,6 +485,7 @@ def main():
     args = parser.parse_args()
     model, tokenizer, device = load_from_args(KVCacheGPT, args)
     args.speculate = args.speculate or 4  # part 5: prompt lookup always, the draft if given
+    check_speculate(args.speculate, model)
     draft = proposer_from_args(KVCacheGPT, args, model, tokenizer, device) if args.draft is not None else None
     kv = {"cache_kind": args.kv_dtype} if args.kv_dtype else {}  # the loop's, or its default
     try:

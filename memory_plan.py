@@ -16,8 +16,10 @@ window (Mistral's 4096 tokens) caps the columns: attention never looks further b
     python memory_plan.py --plot docs/kv_memory.png
 """
 
+import math
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 
 from plumbing.script import begin, run
@@ -30,9 +32,10 @@ from kv_quant import KV_DTYPES, head_bytes  # noqa: E402
 from kv_quant import cache_bytes as formula_bytes  # noqa: E402
 from plumbing.checkpoint import BUNDLED, default_checkpoint  # noqa: E402
 from plumbing.cli import ArgumentParser, load_source, positive_int  # noqa: E402
-from plumbing.outputs import import_pyplot  # noqa: E402
+from plumbing.outputs import MARK, check_output_path, import_pyplot, write_atomically  # noqa: E402
 
 WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}  # per parameter, scales not counted
+MAX_MEMORY = 2 ** 200  # past a float's comfortable range; no plan needs more
 UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -102,17 +105,25 @@ def cache_bytes(shape, kv_dtype, length, batch_size=1):
 
 def sequences_that_fit(shape, kv_dtype, length, memory, weights_dtype):
     """How many sequences of `length` tokens fit in `memory` bytes once the weights are in."""
-    free = memory - shape.params * WEIGHT_BYTES[weights_dtype]
-    return max(0, int(free // cache_bytes(shape, kv_dtype, length)))
+    free = memory - math.ceil(shape.params * WEIGHT_BYTES[weights_dtype])  # integers: exact at any size
+    return max(0, free // cache_bytes(shape, kv_dtype, length))
 
 
 # ---------------------------------------------------------------------------- report
 
 def human(nbytes):
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, size in (("EiB", 2**60), ("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30),
+                       ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= size:
-            return f"{nbytes / size:.3g} {unit}" if nbytes < 1000 * size else f"{nbytes / size:,.0f} {unit}"
+            return (f"{nbytes / size:,.0f} {unit}" if 1000 * size <= nbytes < 1024 * size
+                    else f"{nbytes / size:.3g} {unit}")  # 1,000 GiB; 1.5e+06 EiB
     return f"{nbytes:g} B"
+
+
+def count(n):
+    """An exact count, or three significant digits past a quadrillion (a plan for more
+    memory than exists needs no more)."""
+    return f"{n:,}" if n < 10**15 else f"{n:.3g}"
 
 
 def tokens_label(n):
@@ -144,7 +155,7 @@ def print_tables(shapes, kv_dtypes, lengths, memory, length, weights_dtype):
             fit = sequences_that_fit(s, kv, fit_length, memory, weights_dtype)
             print(f"| {s.name} | {kv} | {head_bytes(s.head_dim, kv)} B | {human(per_token)} | "
                   + " | ".join(cells) + f" | {weights / per_token:,.0f} | "
-                  f"{fit:,} of {tokens_label(fit_length)} tokens |")
+                  f"{count(fit)} of {tokens_label(fit_length)} tokens |")
     print("\n\\* longer than the model's context: what the formula gives, not a length it can run. "
           "Tokens where cache = weights: summed over the batch (the sliding window not counted). "
           f"Sequences that fit: of --length {length} tokens, or the model's context if shorter.")
@@ -173,15 +184,21 @@ def plot(shapes, kv_dtypes, memory, path, plt):
     ax.set_xticks(lengths[::2], [tokens_label(n) for n in lengths[::2]])
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    # written as every output is (plumbing/outputs.py), and marked ours so that a later run may replace it
+    write_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110,
+                                                   metadata={"Software": f"{MARK} memory_plan.py"}))
 
 
 def parse_bytes(text):
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*", text, flags=re.IGNORECASE)
+    """Bytes in a size such as 24GiB, exactly (a Decimal, not a float: 10**20 TB is
+    10**32 bytes, not 10**32 plus float noise); more than 0."""
+    match = re.fullmatch(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)\s*([KMGT]i?B|B)?\s*", text, flags=re.IGNORECASE)
     if not match:
         raise ValueError(f"not a size: {text!r} (examples: 24GiB, 80GB, 512MiB)")
-    return int(float(match.group(1)) * UNITS[(match.group(2) or "B").upper()])
+    nbytes = int(Decimal(match.group(1)) * UNITS[(match.group(2) or "B").upper()])
+    if not 1 <= nbytes <= MAX_MEMORY:
+        raise ValueError(f"must be from 1 byte to {MAX_MEMORY:.3g} bytes, got {text!r}")
+    return nbytes
 
 
 def main():
@@ -206,8 +223,14 @@ def main():
         p.error(f"--memory: {e}")
     kv_dtypes = args.kv_dtypes.split(",")
     if not set(kv_dtypes) <= set(KV_DTYPES):
-        p.error(f"--kv-dtypes: choose from {', '.join(KV_DTYPES)}, got {args.kv_dtypes}")
-    plt = import_pyplot() if args.plot else None  # checked before any work
+        p.error(f"--kv-dtypes: choose from {', '.join(KV_DTYPES)}, got {args.kv_dtypes!r}")
+    twice = next((kv for i, kv in enumerate(kv_dtypes) if kv in kv_dtypes[:i]), None)
+    if twice:
+        p.error(f"--kv-dtypes: {twice} given twice")
+    plt = None
+    if args.plot is not None:  # checked before any work: '' too, a file not ours, a folder
+        check_output_path(args.plot, "png")
+        plt = import_pyplot()
     shapes = [checkpoint_shape(args)] + NAMED
     print_tables(shapes, kv_dtypes, [1024, 4096, 32768, 131072], memory, args.length, args.weights_dtype)
     if plt:

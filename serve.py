@@ -1,16 +1,22 @@
 """
-Serve a checkpoint over HTTP with OpenAI's completions API, many requests at once:
+Serve a checkpoint over HTTP with OpenAI's API (completions, chat completions), many
+requests at once:
 
     python serve.py                                  # the bundled model on 127.0.0.1:8000
     python serve.py --hf ~/models/gpt2 --port 8080
+    python serve.py --chat-template chat.jinja       # /v1/chat/completions too
+    KVCACHE_API_KEY=secret python serve.py           # clients must send the key
 
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "kvcache-gpt", "prompt": "ROMEO:", "max_tokens": 40}'
 
 The engine is in serving/: a paged KV cache with prefix sharing, continuous batching, and
 the step loop; serving/server.py is the HTTP side (aiohttp). Ctrl-C stops it.
+docs/clients.md shows it used from lm-evaluation-harness, guidellm, the openai package
+and curl.
 """
 
+import os
 import sys
 
 from plumbing.script import UserError, begin, run
@@ -20,11 +26,15 @@ if __name__ == "__main__":  # run as a command; importing this file changes noth
 
 from kv_cache import KVCacheGPT  # noqa: E402
 from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
+from serving.admission import Limits  # noqa: E402
+
+API_KEY_VARIABLE = "KVCACHE_API_KEY"
 
 
 def parse_args():
-    p = ArgumentParser(description="An OpenAI-compatible completions server (POST "
-                       "/v1/completions, GET /v1/models, GET /health) on a KV-cached GPT.")
+    p = ArgumentParser(description="An OpenAI-compatible server (POST /v1/completions, "
+                       "/v1/chat/completions, /tokenize, /detokenize; GET /v1/models, /metrics, "
+                       "/health) on a KV-cached GPT.")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: 127.0.0.1, this machine only; "
@@ -44,10 +54,54 @@ def parse_args():
     p.add_argument("--attention", choices=["kernel", "gather"], default="kernel",
                    help="how decode steps read the paged cache: a kernel compiled with "
                    "torch.compile at start-up (default), or a plain-PyTorch gather")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template for /v1/chat/completions (default: the --hf "
+                   "directory's own, from tokenizer_config.json or chat_template.jinja; without "
+                   "one, chat requests are refused with a 400 saying so)")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_VARIABLE),
+                   help="require 'Authorization: Bearer KEY' on every request but /health "
+                   f"(default: ${API_KEY_VARIABLE} if set, else none; the variable keeps the key "
+                   "out of the process list)")
+    p.add_argument("--context-policy", choices=["error", "reprefill"], default="error",
+                   help="a prompt plus max_tokens longer than the model's context: 'error' "
+                   "refuses it with a 400 naming both, as OpenAI and vLLM do (default); "
+                   "'reprefill' accepts it and keeps going past the context, keeping the newest "
+                   "half (docs/generation.md, past the context)")
+    add_limit_args(p)
     args = p.parse_args()
+    if args.api_key == "":
+        p.error(f"--api-key (or ${API_KEY_VARIABLE}) is empty; give a key or leave it unset")
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be in 0..65535, got {args.port}")
+    if not args.host.strip():
+        p.error("--host is empty (an unset shell variable?); 127.0.0.1 listens on this machine "
+                "only, 0.0.0.0 on every interface")
+    if args.max_waiting < args.max_request_sequences:
+        p.error(f"--max-waiting ({args.max_waiting}) must be at least --max-request-sequences "
+                f"({args.max_request_sequences}), or the largest request allowed could never wait")
     return args
+
+
+def add_limit_args(p):
+    """The admission limits (serving/admission.py): what one request may ask, how much may wait."""
+    d = Limits()
+    group = p.add_argument_group("admission limits", "a request past a per-request limit gets "
+                                 "HTTP 400 naming it; one that would queue more than --max-waiting "
+                                 "sequences gets HTTP 429 with Retry-After")
+    group.add_argument("--max-request-sequences", type=positive_int, metavar="N", default=d.max_sequences,
+                       help=f"prompts x n in one request (default: {d.max_sequences})")
+    group.add_argument("--max-request-prompt-tokens", type=positive_int, metavar="N", default=d.max_prompt_tokens,
+                       help=f"prompt tokens of one request, its prompts together (default: {d.max_prompt_tokens})")
+    group.add_argument("--max-request-tokens", type=positive_int, metavar="N", default=d.max_new_tokens,
+                       help="tokens one request may ask to generate, max_tokens x prompts x n "
+                       f"(default: {d.max_new_tokens})")
+    group.add_argument("--max-waiting", type=positive_int, metavar="N", default=d.max_waiting,
+                       help=f"sequences waiting for a place in the batch, all requests together (default: {d.max_waiting})")
+
+
+def limits_from_args(args):
+    return Limits(max_sequences=args.max_request_sequences, max_prompt_tokens=args.max_request_prompt_tokens,
+                  max_new_tokens=args.max_request_tokens, max_waiting=args.max_waiting)
 
 
 def main():
@@ -57,6 +111,11 @@ def main():
     except ImportError:
         raise UserError("serve.py needs aiohttp: pip install -r requirements.txt") from None
 
+    try:
+        import prometheus_client  # noqa: F401  (for /metrics)
+        import jinja2  # noqa: F401  (for chat templates)
+    except ImportError as e:
+        raise UserError(f"serve.py needs {e.name}: pip install -r requirements.txt") from None
     from serving.engine import Engine
     from serving.server import BackgroundServer
 
@@ -64,9 +123,12 @@ def main():
     try:
         engine = Engine(model, tokenizer, num_blocks=args.num_blocks,
                         tokens_per_block=args.tokens_per_block, max_batch=args.max_batch,
-                        max_prefill_tokens=args.max_prefill_tokens, attention=args.attention)
-    except ValueError as e:
-        raise UserError(f"--num-blocks: {e}") from None
+                        max_prefill_tokens=args.max_prefill_tokens, attention=args.attention,
+                        limits=limits_from_args(args))
+    except ValueError as e:  # before anything is allocated: a pool too small or too large
+        raise UserError(f"--num-blocks {args.num_blocks or '(default)'}, --tokens-per-block "
+                        f"{args.tokens_per_block}: {e}") from None
+    chat_template = load_chat_template(args, tokenizer)  # once the pool is sure to fit
     pool = engine.pool
     contexts = pool.num_blocks * pool.tokens_per_block / model.config.context_len
     print(f"KV pool: {pool.num_blocks} blocks of {pool.tokens_per_block} positions, "
@@ -76,14 +138,18 @@ def main():
         print("compiling the paged attention kernel (once)...", file=sys.stderr, flush=True)
     engine.warm_up()
 
-    server = BackgroundServer(engine, tokenizer, args.served_model_name, args.host, args.port)
+    server = BackgroundServer(engine, tokenizer, args.served_model_name, args.host, args.port,
+                              chat_template=chat_template, api_key=args.api_key,
+                              context_policy=args.context_policy)
     try:
         url = server.open()  # HTTP on its own thread ...
     except OSError as e:
-        raise UserError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); "
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        raise UserError(f"cannot listen on {host}:{args.port} ({e.strerror or e}); "
                         "choose another --port or --host") from None
     try:
-        print(f"serving {args.served_model_name} on {url} (Ctrl-C stops)",
+        extras = ", API key required" if args.api_key else ""  # never the key itself
+        print(f"serving {args.served_model_name} on {url} (Ctrl-C stops{extras})",
               file=sys.stderr, flush=True)
         engine.run()         # ... and the engine on this one, which loaded the model
     finally:
@@ -91,6 +157,29 @@ def main():
         # the server would wait for replies that no step will ever make
         engine.abort_all("the server is shutting down")
         server.close()
+
+
+def load_chat_template(args, tokenizer):
+    """--chat-template FILE, else the --hf directory's own template, else None; reports
+    which, and the tokens it stops at."""
+    from serving.chat import TemplateError, template_from_file, template_from_hf_dir
+    try:
+        if args.chat_template is not None:
+            template = template_from_file(args.chat_template, tokenizer)
+        elif args.hf is not None:
+            template = template_from_hf_dir(args.hf, tokenizer)
+        else:
+            template = None
+    except TemplateError as e:
+        raise UserError(f"--chat-template: {e}") from None
+    if template is None:
+        print("no chat template: /v1/chat/completions refuses requests (--chat-template FILE "
+              "gives one)", file=sys.stderr)
+    else:
+        ends = [tokenizer.decode([t]) for t in template.end_of_turn_ids]
+        print(f"chat template: {template.origin} (a turn ends at {', '.join(ends) or 'end of text'})",
+              file=sys.stderr)
+    return template
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from generation.loop import generate_tokens  # noqa: E402
 from kv_cache import KVCacheGPT  # noqa: E402
 from plumbing.checkpoint import load_model  # noqa: E402
 from plumbing.cli import ArgumentParser, positive_int  # noqa: E402
+from plumbing.user_text import TextError, encode_text  # noqa: E402
 
 PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?"]
 
@@ -103,7 +104,10 @@ def main():
     out = Path(args.out or tempfile.mkdtemp(prefix="hf-export-"))
     export(args.ckpt, out, report=lambda line: print(line, file=sys.stderr))
     model, tokenizer = load_model(KVCacheGPT, args.ckpt, report=lambda line: None)
-    prompts = [tokenizer.encode_ordinary(t) or [tokenizer.eot_token] for t in args.prompt or PROMPTS]
+    try:
+        prompts = [encode_text(tokenizer, t) or [tokenizer.eot_token] for t in args.prompt or PROMPTS]
+    except TextError as e:
+        raise UserError(f"--prompt: {e}") from None
     expected = ours(model, tokenizer, prompts, args.tokens)
     llm = load_vllm(vllm, out)
     got = theirs(vllm, llm, prompts, args.tokens)

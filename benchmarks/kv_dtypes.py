@@ -27,6 +27,7 @@ from kv_quant import (INT4_GROUP_SIZE, KV_DTYPES, cache_bytes, dequantize, group
                       head_bytes, head_bytes_text, quantize)
 from plumbing.checkpoint import ROOT  # noqa: E402
 from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
+from plumbing.user_text import encode_text  # noqa: E402
 
 
 @torch.inference_mode()
@@ -96,7 +97,7 @@ def quantized_peer(model, tokenizer, text, position, reps, steps=8):
                                              residual_length=r),
             lambda t, c: theirs(t, past_key_values=c, use_cache=True).logits) for r in (128, 32)},
     }
-    ids = torch.tensor([tokenizer.eot_token] + tokenizer.encode_ordinary(text), device=device)
+    ids = torch.tensor([tokenizer.eot_token] + encode_text(tokenizer, text), device=device)
     context_len = model.config.context_len
     windows = score_windows(ids.numel() - 1, context_len)
     position = min(position, context_len - steps)
@@ -174,7 +175,7 @@ def main():
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"--text {args.text}: cannot read it as UTF-8 text ({e})") from None
     model, tokenizer, device = load_from_args(KVCacheGPT, args)
-    c, ids = model.config, torch.tensor(tokenizer.encode_ordinary(text), device=device)
+    c, ids = model.config, torch.tensor(encode_text(tokenizer, text), device=device)
     if ids.numel() < 2 * c.context_len:
         raise UserError(f"--text {args.text}: needs at least {2 * c.context_len} tokens, has {ids.numel()}")
 

@@ -14,7 +14,6 @@ import statistics
 import time
 
 
-
 def summary(records, t0, kv_bytes):
     """records: per request (arrival time, [token times]) on the perf_counter clock."""
     ttft = [times[0] - arrival for arrival, times in records]
@@ -48,7 +47,9 @@ async def stream_one(session, url, model, t0, arrival, prompt, n):
             if event["choices"]:
                 times.append(time.perf_counter())
             usage = event.get("usage") or usage
-    return sent, times, usage["completion_tokens"]
+    # tokens from the usage chunk: an event may carry several (held-back text); a server
+    # that sends no usage (llama-server) sends a token per event
+    return sent, times, usage["completion_tokens"] if usage else len(times)
 
 
 class LoadTestError(Exception):
@@ -76,16 +77,18 @@ async def server_health(session, url):
         return await response.json() if response.content_type == "application/json" else {}
 
 
-def load_test(url, requests):
+def load_test(url, requests, timeout=60.0):
     """Every request as its own streaming client, at its arrival time, against the
     OpenAI-compatible server at url (ours, or any other: vLLM's). Returns (t0, per
     request (sent, times, tokens) or the error's repr, the server's /health before and
-    after the run)."""
+    after the run). timeout: the seconds a connection may take, and a server may stay
+    silent, before the request fails (a port that accepts and never answers must not
+    hang the run: aiohttp.ServerTimeoutError)."""
     import aiohttp
 
     async def all_clients():
-        timeout = aiohttp.ClientTimeout(total=None)
-        async with aiohttp.ClientSession(timeout=timeout,
+        timeout_s = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+        async with aiohttp.ClientSession(timeout=timeout_s,
                                          connector=aiohttp.TCPConnector(limit=0)) as s:
             model, before = await served_model(s, url), await server_health(s, url)
             t0 = time.perf_counter()

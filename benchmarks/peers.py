@@ -22,6 +22,8 @@ import torch
 
 from benchmarks.timing import repeat, spread
 from generation.loop import synchronize
+from plumbing.outputs import signals_raise, write_failure
+from plumbing.script import UserError
 
 PROMPT_TOKENS = 16
 LLAMA_OUTTYPES = ("f32", "f16", "q8_0")  # f32 is the like-for-like one; the others for reference
@@ -160,13 +162,18 @@ def llama_cpp_engines(label, model, outtypes=LLAMA_OUTTYPES):
     a step reads, the seconds export and load took)}, in a temporary folder that goes, with
     the engines, when the block ends. model: the fp32 weights. CPU only, torch's thread count."""
     from export_gguf import write_gguf
-    with tempfile.TemporaryDirectory() as folder:
+    # SIGTERM meanwhile raises, so that the folder and its GGUF files still go (outputs.py)
+    with signals_raise(), tempfile.TemporaryDirectory() as folder:
         engines = {}
         try:
             for outtype in outtypes:
                 path = Path(folder) / f"{outtype}.gguf"
                 t0 = time.perf_counter()
-                write_gguf(path, model, placeholder_tokenizer(), outtype, label)
+                try:
+                    write_gguf(path, model, placeholder_tokenizer(), outtype, label)
+                except OSError as e:  # a full disk, a file-size limit: one line, not a traceback
+                    raise UserError(f"cannot write the GGUF for llama.cpp in {folder} "
+                                    f"({write_failure(e, path)})") from None
                 llm = load_llama(path, model.config.context_len, torch.get_num_threads())
                 engines[outtype] = (llm, gguf_weight_bytes(path), time.perf_counter() - t0)
             yield engines

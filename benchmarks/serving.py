@@ -24,6 +24,8 @@ context would take. Then what a cached 200-token prefix does to the time to firs
 and what the paged cache's gather costs in a decode step.
 """
 
+import argparse
+import math
 import multiprocessing
 import platform
 import statistics
@@ -47,10 +49,12 @@ from kv_cache import KVCache, KVCacheGPT  # noqa: E402
 from kv_quant import dtype_name  # noqa: E402
 from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
 from plumbing.outputs import MARK, check_output_path, import_pyplot, json_text, write_atomically  # noqa: E402
+from serving.admission import Limits  # noqa: E402
 from serving.engine import Engine, SamplingParams, default_num_blocks  # noqa: E402
 
 SHAPES = {"gpt2": GPTConfig(context_len=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)}
 MODES = ("sequential", "static", "continuous", "http")
+MIN_RATE = 0.001  # requests/s: slower, a run of 64 requests would take most of a day
 
 
 # ---------------------------------------------------------------------------- the workload
@@ -107,8 +111,13 @@ def run_static(model, requests, batch, per_token):
 
 
 def new_engine(model, tokenizer, args):
-    engine = Engine(model, tokenizer, num_blocks=args.num_blocks, max_batch=args.max_batch,
-                    tokens_per_block=args.tokens_per_block, attention=args.attention)
+    # the waiting queue holds the whole workload: a run measures serving, not refusals
+    limits = Limits(max_waiting=max(Limits().max_waiting, args.requests))
+    try:
+        engine = Engine(model, tokenizer, num_blocks=args.num_blocks, max_batch=args.max_batch,
+                        tokens_per_block=args.tokens_per_block, attention=args.attention, limits=limits)
+    except ValueError as e:  # a pool too small for one context, or larger than the memory
+        raise UserError(f"--num-blocks, --tokens-per-block: {e}") from None
     engine.warm_up()  # compiles the paged kernel: not part of any measurement
     return engine
 
@@ -166,12 +175,15 @@ def run_continuous(engine, requests, engine_thread):
             "preemptions": engine.scheduler.preemptions}
 
 
-def run_url(url, requests):
+def run_url(url, requests, timeout=60.0):
     """The load test against a server that is already running (python serve.py, or
     vLLM's server on the same weights), from this process."""
     import aiohttp
     try:
-        return load_test_summary(*load_test(url, requests), kv_bytes=None)
+        return load_test_summary(*load_test(url, requests, timeout), kv_bytes=None)
+    except aiohttp.ServerTimeoutError:
+        raise UserError(f"--url: {url} accepted the connection but did not answer within "
+                        f"{timeout:g} s (--timeout); is it an HTTP server, and is it running?") from None
     except aiohttp.ClientError as e:
         raise UserError(f"--url: cannot reach {url} ({e}); start the server first "
                         "(python serve.py)") from None
@@ -352,6 +364,22 @@ def plot(r, path, plt):
                                                    metadata={"Software": f"{MARK} benchmarks.serving"}))
 
 
+def arrival_rate(text):
+    """--rate: requests per second, 0 (all at once) or a finite number from MIN_RATE."""
+    value = float(text)
+    if not (value == 0 or MIN_RATE <= value < math.inf):
+        raise argparse.ArgumentTypeError(f"must be 0 (all at once) or a finite rate of at least "
+                                         f"{MIN_RATE} requests/s, got {text}")
+    return value
+
+
+def seconds(text):
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
+
 def length_range(text):
     low, _, high = text.partition("-")
     low, high = positive_int(low), positive_int(high or low)
@@ -371,7 +399,7 @@ def main():
                    help="prompt tokens, LOW-HIGH (default: 8 to context_len/2)")
     p.add_argument("--output-len", type=length_range, default=None,
                    help="new tokens per request, LOW-HIGH or N (default: 8 to context_len/2)")
-    p.add_argument("--rate", type=float, default=0.0,
+    p.add_argument("--rate", type=arrival_rate, default=0.0,
                    help="Poisson arrivals, requests per second (default: 0, all at once)")
     p.add_argument("--modes", help=f"default: {','.join(MODES)}")
     p.add_argument("--max-batch", type=positive_int, default=64, help="default: 64")
@@ -387,17 +415,23 @@ def main():
     p.add_argument("--url", help="only the load test, against a server already running "
                    "there (e.g. http://127.0.0.1:8000/v1: python serve.py, or vLLM's server); "
                    "give the same --ckpt/--hf, for the prompts' vocabulary and lengths")
+    p.add_argument("--timeout", type=seconds, default=60.0, help="seconds a server may take to "
+                   "connect or stay silent before a request fails (default: 60)")
     p.add_argument("--quick", action="store_true", help="16 requests, short lengths")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")
     args = p.parse_args()
-    if args.url and (args.modes or args.engine_thread):
+    if args.url is not None and (args.modes is not None or args.engine_thread):
         p.error("--url runs the load test alone: --modes and --engine-thread do not apply")
-    modes = ["server"] if args.url else (args.modes or ",".join(MODES)).split(",")
+    modes = ["server"] if args.url is not None else (
+        ",".join(MODES) if args.modes is None else args.modes).split(",")
     args.engine_thread = args.engine_thread or "main"
-    if not args.url and not set(modes) <= set(MODES):
-        p.error(f"--modes: choose from {', '.join(MODES)}")
-    if args.url and not args.url.startswith(("http://", "https://")):
+    if args.url is None and not set(modes) <= set(MODES):
+        p.error(f"--modes: choose from {', '.join(MODES)}, got {args.modes!r}")
+    twice = next((m for i, m in enumerate(modes) if m in modes[:i]), None)
+    if twice:
+        p.error(f"--modes: {twice} given twice")
+    if args.url is not None and not args.url.startswith(("http://", "https://")):
         p.error(f"--url must start with http:// or https://, got {args.url!r}")
     # outputs are checked before the run: never over a file we did not write
     json_path = args.json is not None and check_output_path(args.json, "json")
@@ -439,7 +473,7 @@ def main():
          "modes": {}}
     if args.url:
         r["url"] = args.url
-        r["modes"]["server"] = run_url(args.url.rstrip("/"), requests)
+        r["modes"]["server"] = run_url(args.url.rstrip("/"), requests, args.timeout)
         return report(r, json_path, plot_path, plt)
     r["pool_bytes"] = new_engine(model, tokenizer, args).pool.nbytes()
     timed_stream(model, [requests[0][1]], [2])  # warm-up

@@ -44,6 +44,7 @@ from kv_cache import KVCacheGPT  # noqa: E402
 from plumbing.checkpoint import ROOT  # noqa: E402
 from plumbing.cli import (ArgumentParser, add_model_args, load_draft, load_from_args,  # noqa: E402
                           ngram_size, positive_int)
+from plumbing.user_text import encode_text  # noqa: E402
 
 HELDOUT = ROOT / "checkpoints" / "shakespeare" / "heldout.txt"
 BUNDLED_DRAFT = ROOT / "checkpoints" / "shakespeare-draft" / "ckpt.pt"
@@ -52,9 +53,9 @@ PEER_LOOKUP = dict(tokens=10, ngram=2)  # transformers' and llama-cpp-python's d
 
 def heldout_prompts(tokenizer, text, n_prompts, prompt_tokens):
     """n_prompts windows of prompt_tokens tokens, spread evenly over the text."""
-    ids = tokenizer.encode_ordinary(text)
+    ids = encode_text(tokenizer, text)  # a file read strictly as UTF-8: no lone surrogate
     if len(ids) < prompt_tokens * n_prompts:
-        raise UserError(f"the held-out text has {len(ids)} tokens, fewer than {n_prompts} "
+        raise UserError(f"--spec-text: the text has {len(ids)} tokens, fewer than {n_prompts} "
                         f"prompts of {prompt_tokens}")
     starts = torch.linspace(0, len(ids) - prompt_tokens, n_prompts).long().tolist()
     return [ids[s:s + prompt_tokens] for s in starts]

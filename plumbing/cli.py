@@ -168,13 +168,18 @@ def proposer_from_args(cls, args, model, tokenizer, device):
     """The proposer the flags name for `model`, or None without --speculate."""
     if not args.speculate:
         return None
-    context_len = model.config.context_len
-    if args.speculate >= context_len:  # the step feeds the newest token and K proposals
-        raise UserError(f"--speculate {args.speculate}: a step checks K proposals after the newest "
-                        f"token, K + 1 positions in a context of {context_len}; use at most {context_len - 1}")
+    check_speculate(args.speculate, model)
     if args.prompt_lookup is not None:
         return PromptLookup(args.prompt_lookup)
     return DraftModel(load_draft(cls, args.draft, tokenizer, device, args, flag="--draft"))
+
+
+def check_speculate(k, model):
+    """--speculate K against the model's context, before anything is loaded or run."""
+    context_len = model.config.context_len
+    if k >= context_len:  # the step feeds the newest token and K proposals
+        raise UserError(f"--speculate {k}: a step checks K proposals after the newest token, "
+                        f"K + 1 positions in a context of {context_len}; use at most {context_len - 1}")
 
 
 def load_draft(cls, path, tokenizer, device, args, flag="--draft", report=None):

@@ -6,20 +6,26 @@ writer can skip them:
     be written (a directory, a file another program wrote, no permission, a name too long);
   - write_atomically(path, data) and new_directory(path) write into a temporary file or
     folder beside the target and rename it into place: the target is its old self or
-    complete, never half written, and an interrupted write (Ctrl-C, SIGTERM, a full disk)
-    leaves nothing behind;
+    complete, never half written, and an interrupted write (Ctrl-C, SIGTERM or SIGHUP,
+    which become an exception while a write is under way, a full disk, a file-size limit)
+    leaves nothing behind and says why in one line;
   - json_text(obj) is JSON every parser reads (no NaN), marked as ours.
 """
 
+import errno
 import json
 import math
 import os
+import re
+import resource
 import shutil
+import signal
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-from plumbing.script import UserError
+from plumbing.script import Terminated, UserError
 
 MARK = "kvcache-gpt"  # what every file we write carries, so that we know it is ours
 
@@ -123,6 +129,49 @@ def fsync_path(path):
         os.close(fd)
 
 
+@contextmanager
+def signals_raise(signals=(signal.SIGTERM, signal.SIGHUP)):
+    """While the block runs, SIGTERM and SIGHUP (the terminal closed) raise Terminated
+    instead of ending the process at once, so that the write's cleanup runs (run() then
+    ends the process as the signal would have); the previous handlers come back after.
+    Only the main thread may set handlers: elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated(signum)
+    previous = {s: signal.signal(s, terminate) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+
+def write_failure(error, written):
+    """Why writing failed, in words, or None when `error` is not about writing. The OS's
+    reason when the error carries it; some writers drop it (numpy's tofile says only "N
+    requested and M written", safetensors wraps it in its own error), so a file that
+    reached the file-size limit (ulimit -f) or a disk with no room left is found here, and
+    the number of a Rust library's "(os error 27)" is read back."""
+    if isinstance(error, OSError) and error.errno:
+        return error.strerror or os.strerror(error.errno)
+    rust_io = re.search(r"\(os error (\d+)\)", str(error))  # how Rust shows an OS error
+    if rust_io:
+        return os.strerror(int(rust_io.group(1)))
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    written = Path(written)
+    files = [written] if written.is_file() else [f for f in written.rglob("*") if f.is_file()]
+    if limit != resource.RLIM_INFINITY and any(f.stat().st_size >= limit for f in files):
+        return f"{os.strerror(errno.EFBIG)}: the file-size limit (ulimit -f) is {limit:,} bytes"
+    if shutil.disk_usage(written.parent).free == 0:
+        return os.strerror(errno.ENOSPC)
+    if isinstance(error, OSError):
+        return str(error) or type(error).__name__
+    return None
+
+
 def write_atomically(path, data):
     """Write `data` (bytes or str, or a function that writes a file at the path it is
     given) to `path` so that `path` is either its old self or complete, never half
@@ -135,27 +184,28 @@ def write_atomically(path, data):
     path = Path(path)
     if path.exists() and not path.is_file() and not path.is_dir():
         return write_stream(path, data)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:64]}.", suffix=".tmp")
-    except OSError as e:
-        raise UserError(f"{path}: cannot write it ({e.strerror or type(e).__name__})") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if not callable(data):
-                f.write(data.encode("utf-8") if isinstance(data, str) else data)
-        if callable(data):
-            data(tmp)
-        fsync_path(tmp)
-        os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes it private (0600); be a normal file
-        os.replace(tmp, path)
-        fsync_path(path.parent)  # the rename itself, durable
-    except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise UserError(f"{path}: cannot write it ({e.strerror or type(e).__name__}); "
-                            "nothing was written") from None
-        raise
+    with signals_raise():  # from before the temporary file exists until it is renamed
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:64]}.", suffix=".tmp")
+        except OSError as e:
+            raise UserError(f"{path}: cannot write it ({e.strerror or type(e).__name__})") from None
+        try:
+            with os.fdopen(fd, "wb") as f:
+                if not callable(data):
+                    f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            if callable(data):
+                data(tmp)
+            fsync_path(tmp)
+            os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes it private (0600); be a normal file
+            os.replace(tmp, path)
+            fsync_path(path.parent)  # the rename itself, durable
+        except BaseException as e:
+            reason = write_failure(e, tmp) if isinstance(e, Exception) else None
+            Path(tmp).unlink(missing_ok=True)
+            if reason is not None:
+                raise UserError(f"{path}: cannot write it ({reason}); nothing was written") from None
+            raise
 
 
 def write_stream(path, data):
@@ -175,24 +225,27 @@ def new_directory(path):
     end (replacing `out` if that is an empty folder); on any failure it is removed, so an
     interrupted export leaves nothing that blocks the next attempt. OSError -> UserError."""
     path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name[:64]}.", suffix=".tmp"))
-    except OSError as e:
-        raise UserError(f"{path}: cannot create it ({e.strerror or type(e).__name__})") from None
-    try:
-        yield tmp
-        for file in tmp.iterdir():
-            fsync_path(file)
-        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private (0700)
-        os.replace(tmp, path)  # POSIX rename: replaces an empty folder, fails on a full one
-        fsync_path(path.parent)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise UserError(f"{path}: cannot write it ({e.strerror or type(e).__name__}); "
-                            "nothing was written") from None
-        raise
+    with signals_raise():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name[:64]}.", suffix=".tmp"))
+        except OSError as e:
+            raise UserError(f"{path}: cannot create it ({e.strerror or type(e).__name__})") from None
+        try:
+            yield tmp
+            for file in tmp.iterdir():
+                fsync_path(file)
+            os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private (0700)
+            os.replace(tmp, path)  # POSIX rename: replaces an empty folder, fails on a full one
+            fsync_path(path.parent)
+        except BaseException as e:
+            reason = write_failure(e, tmp) if isinstance(e, Exception) and tmp.exists() else None
+            if reason is None and isinstance(e, OSError):
+                reason = write_failure(e, path.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if reason is not None:
+                raise UserError(f"{path}: cannot write it ({reason}); nothing was written") from None
+            raise
 
 
 def finite_or_none(obj):

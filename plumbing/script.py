@@ -14,12 +14,24 @@ plumbing) leaves the interpreter as it found it. No torch here: begin() must run
 """
 
 import os
+import signal
 import sys
 from pathlib import Path
 
 
 class UserError(ValueError):
     """Bad input from the user; its message is the one line they will see."""
+
+
+class Terminated(BaseException):
+    """A signal that ends the process (SIGTERM, SIGHUP) arrived while an output was being
+    written (plumbing/outputs.py raises it then, so that the half-written file is removed);
+    run() then ends the process by that signal. A BaseException, as KeyboardInterrupt is:
+    no `except Exception` may swallow it."""
+
+    def __init__(self, signum):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
 
 
 def begin():
@@ -70,7 +82,8 @@ def check_standard_streams():
 
 def run(main):
     """Call main(); a UserError (a bad checkpoint is one too: validation.CheckpointError)
-    prints one line and exits 2, Ctrl-C exits 130 quietly."""
+    prints one line and exits 2, Ctrl-C exits 130 quietly, SIGTERM during a write ends the
+    process by SIGTERM once the write has cleaned up."""
     try:
         check_standard_streams()
         main()
@@ -81,6 +94,9 @@ def run(main):
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Terminated as e:  # the write cleaned up after itself: now end as the signal would
+        signal.signal(e.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), e.signum)
     except BrokenPipeError:  # output piped into `head`, which closed early
         sys.stderr.close()
         sys.exit(0)

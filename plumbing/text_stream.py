@@ -16,6 +16,12 @@ next piece may complete the match.
 import codecs
 
 
+def eos_token_ids(tokenizer):
+    """The ids that end a text: the tokenizer's eos_token_ids where it has them (models
+    with several), else tiktoken's one end-of-text token."""
+    return tuple(getattr(tokenizer, "eos_token_ids", (tokenizer.eot_token,)))
+
+
 class SampleText:
     """The text of one sample, built token by token.
 
@@ -24,14 +30,18 @@ class SampleText:
     printed is ever half a character. Text that might be the start of a stop string is
     held back too, until it is clear that it is not one."""
 
-    def __init__(self, tokenizer, stops, stop_at_eot=True):
-        self.tokenizer, self.stop_at_eot = tokenizer, stop_at_eot
+    def __init__(self, tokenizer, stops, stop_at_eot=True, stop_token_ids=()):
+        """stops: strings that end the text; stop_at_eot: the tokenizer's end-of-text ends
+        it; stop_token_ids: more tokens that end it, whatever stop_at_eot says (a chat
+        template's end of turn). A token that ends the text adds nothing to it."""
+        self.tokenizer = tokenizer
+        self.end_ids = set(stop_token_ids) | (set(eos_token_ids(tokenizer)) if stop_at_eot else set())
         self.stops = [StopString(s) for s in stops]  # each reads every new character once
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text, self.tokens, self.done = "", 0, False
 
     def add(self, token):
-        if token == self.tokenizer.eot_token and self.stop_at_eot:
+        if token in self.end_ids:
             self.done = True
             return
         self.tokens += 1

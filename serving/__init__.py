@@ -1,4 +1,5 @@
 """Serving many requests on one model: a paged KV cache with prefix sharing
 (paged_cache.py, paged_attention.py), continuous batching (scheduler.py), the step loop
-(engine.py), and an OpenAI-compatible HTTP server (server.py; the command is serve.py).
+(engine.py), and an OpenAI-compatible HTTP server (server.py, its answers in replies.py,
+chat templates in chat.py, /metrics in metrics.py; the command is serve.py).
 The workload benchmark that measures it is benchmarks/serving.py."""

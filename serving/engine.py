@@ -6,6 +6,9 @@ The engine: requests in, tokens out, many requests at once on one model.
     engine.run_until_done() # or engine.run(): the step loop, waiting for more requests
                             # (from other threads) until engine.stop()
 
+Work enters only through submit (add_request is submit of one), which first holds it to
+the admission limits (admission.py): what one request may ask, and how much may wait.
+
 Every step asks the scheduler (scheduler.py) which sequences run, feeds them through the
 unchanged KVCacheGPT.forward with a PagedCache (paged_cache.py) as their cache, samples one
 token per sequence with its own settings, and hands each request its new text. The HTTP
@@ -24,6 +27,7 @@ import torch
 
 from kv_quant import cache_bytes, dtype_name
 from sample import check_sampling_args, sample
+from serving.admission import Limits
 from serving.paged_attention import paged_decode_attention
 from serving.paged_cache import NULL_BLOCK, BlockPool, PagedCache
 from serving.scheduler import FINISHED, Scheduler, Sequence
@@ -32,30 +36,48 @@ from plumbing.text_stream import SampleText
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    """What a request asks for. The names are vLLM's."""
+    max_tokens: int = 16      # 0: the prefill only (to score the prompt, or cache it)
     temperature: float = 1.0
     top_k: int = None
     top_p: float = None
     seed: int = None          # its own torch.Generator: the same seed, the same text
     stop: tuple = ()          # strings that end the text (not included in it)
-    stop_at_eot: bool = True  # False: run to max_tokens (benchmarks)
+    stop_token_ids: tuple = ()  # tokens that end it (a chat template's end of turn), always
+    stop_at_eot: bool = True  # False: the end-of-text token does not end it (benchmarks)
+    logprobs: int = None      # each new token's log-probability and the `logprobs` likeliest
+    prompt_logprobs: int = None  # the same for every prompt token but the first
 
     def check(self):
         check_sampling_args(self.temperature, self.top_k, self.top_p)
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("a stop string must not be empty")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass
+class Logprob:
+    """A token's log-probability under the model (its raw distribution: before temperature,
+    top-k or top-p, as vLLM reports it) and the `top` likeliest tokens, [(token, logprob)]."""
+    token: int
+    logprob: float
+    top: list
 
 
 @dataclass
 class Output:
     """What one step gave a request: the new text (held back while it may still become a
-    stop string or half a character), the token, and why it ended, when it did: "stop"
-    (end of text or a stop string), "length" (max_tokens), "cancelled", "error"."""
+    stop string or half a character), the token, its Logprob (when asked for), and why it
+    ended, when it did: "stop" (end of text, a stop token or string), "length"
+    (max_tokens), "cancelled", "error"."""
     text: str
     token: int = None
     finish_reason: str = None
+    logprob: Logprob = None
 
 
 class Request(Sequence):
@@ -64,7 +86,10 @@ class Request(Sequence):
     def __init__(self, prompt, params, on_output, tokenizer, device):
         super().__init__(prompt)
         self.params, self.on_output = params, on_output
-        self.text = SampleText(tokenizer, list(params.stop), params.stop_at_eot)
+        self.text = SampleText(tokenizer, list(params.stop), params.stop_at_eot,
+                               params.stop_token_ids)
+        self.score_prompt = params.prompt_logprobs is not None
+        self.prompt_logprobs = None  # [None, Logprob of token 1, ...] once the prefill ran
         self.shown = 0  # characters of text handed out
         self.generator = (None if params.seed is None else
                           torch.Generator(device=device).manual_seed(params.seed))
@@ -75,6 +100,19 @@ class Request(Sequence):
     @property
     def num_generated(self):
         return len(self.tokens) - self.prompt_len
+
+
+def log_probabilities(logits, tokens, tops):
+    """A Logprob for each row of logits (N, V): of tokens[i], with the tops[i] likeliest
+    tokens. log_softmax in float32, whatever the model's dtype, as a direct forward scores."""
+    if not tokens:
+        return []
+    logp = torch.log_softmax(logits.float(), dim=-1)                             # (N, V)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    values, ids = logp.topk(min(max(tops), logp.size(1)))                        # (N, k)
+    values, ids = values.tolist(), ids.tolist()
+    return [Logprob(t, c, list(zip(i[:k], v[:k])))
+            for t, c, i, v, k in zip(tokens, chosen, ids, values, tops)]
 
 
 DEFAULT_POOL_BYTES = 1 << 30
@@ -91,25 +129,39 @@ def default_num_blocks(config, tokens_per_block, max_batch, kv_dtype):
     return max(min(max_batch * per_context, DEFAULT_POOL_BYTES // block_bytes), per_context)
 
 
+def check_pool_fits(config, num_blocks, tokens_per_block, kv_dtype):
+    """Refuse, before allocating it, a pool larger than the memory left (ValueError)."""
+    from plumbing.validation import available_memory, format_bytes  # the loaders' memory rule
+    needed = cache_bytes(config, (num_blocks + 1) * tokens_per_block, 1, kv_dtype)  # + the null block
+    available = available_memory()
+    if needed > available:
+        raise ValueError(f"a pool of {num_blocks:,} blocks of {tokens_per_block:,} positions would "
+                         f"need {format_bytes(needed)} of memory; {format_bytes(available)} is available")
+
+
 class Engine:
     def __init__(self, model, tokenizer, num_blocks=None, tokens_per_block=16, max_batch=64,
-                 max_prefill_tokens=2048, attention="kernel"):
+                 max_prefill_tokens=2048, attention="kernel", limits=None):
         """num_blocks: the pool's size (default_num_blocks by default); when it runs out,
         the scheduler preempts.
         attention: how decode steps read the pool, "kernel" (paged_attention.py, compiled
-        at the first decode step) or "gather" (plain PyTorch; paged_cache.py compares)."""
+        at the first decode step) or "gather" (plain PyTorch; paged_cache.py compares).
+        limits: admission.Limits (default: its defaults)."""
         if attention not in ("kernel", "gather"):
             raise ValueError(f"attention must be 'kernel' or 'gather', got {attention!r}")
         self.model, self.tokenizer = model, tokenizer
+        self.limits = Limits() if limits is None else limits
         self.attention_kernel = paged_decode_attention if attention == "kernel" else None
         config, weight = model.config, model.lm_head.weight
         self.device = weight.device
         if num_blocks is None:
             num_blocks = default_num_blocks(config, tokens_per_block, max_batch,
                                             dtype_name(weight.dtype))
+        check_pool_fits(config, num_blocks, tokens_per_block, dtype_name(weight.dtype))
         self.pool = BlockPool(config, num_blocks, tokens_per_block, self.device, weight.dtype)
         self.scheduler = Scheduler(self.pool, config.context_len, max_batch, max_prefill_tokens)
         self.inbox, self.cancelled = deque(), deque()  # from other threads (deque is thread-safe)
+        self.admitting = threading.Lock()  # one submit at a time: the queue's bound holds
         self.wakeup = threading.Condition()
         self.thread, self.stopping = None, False
         self.peak_blocks, self.steps = 0, 0
@@ -117,17 +169,38 @@ class Engine:
     # ------------------------------------------------------------------ the caller's side
     # (any thread)
 
-    def add_request(self, prompt, params, on_output=lambda request, output: None):
-        """Queue a prompt (token ids); on_output(request, Output) is called from the
-        engine's thread for every token, the last one with a finish_reason."""
-        params.check()
-        if not 1 <= len(prompt) <= self.model.config.context_len:
-            raise ValueError(f"a prompt must have 1 to {self.model.config.context_len} tokens "
-                             f"(the model's context), got {len(prompt)}")
-        request = Request(prompt, params, on_output, self.tokenizer, self.device)
-        self.inbox.append(request)
+    def submit(self, prompts, samples, on_output=lambda request, output: None):
+        """Queue one caller's request: every prompt (token ids) sampled with each
+        SamplingParams of samples, all or nothing. Returns the Requests, prompt-major
+        (prompt i's sample j is [i * len(samples) + j]); on_output(request, Output) is called
+        from the engine's thread for every token, the last one with a finish_reason.
+
+        Raises ValueError for a bad prompt or setting, admission.RequestTooLarge past a
+        per-request limit and admission.Overloaded when the waiting queue is full, in each
+        case before anything is queued."""
+        for params in samples:
+            params.check()
+        context_len = self.model.config.context_len
+        for prompt in prompts:
+            if not 1 <= len(prompt) <= context_len:
+                raise ValueError(f"a prompt must have 1 to {context_len} tokens "
+                                 f"(the model's context), got {len(prompt)}")
+        self.limits.check_request(prompts, samples)
+        with self.admitting:
+            self.limits.check_room(self.num_waiting(), len(prompts) * len(samples))
+            requests = [Request(prompt, params, on_output, self.tokenizer, self.device)
+                        for prompt in prompts for params in samples]
+            self.inbox.extend(requests)
         self.notify()
-        return request
+        return requests
+
+    def add_request(self, prompt, params, on_output=lambda request, output: None):
+        """submit() of one prompt and one sample: the Request."""
+        return self.submit([prompt], [params], on_output)[0]
+
+    def num_waiting(self):
+        """Sequences queued for a place in the batch (new, or preempted)."""
+        return len(self.inbox) + len(self.scheduler.waiting)
 
     def cancel(self, request):
         """Stop a request (its client went away): its blocks are freed at the next step."""
@@ -154,19 +227,53 @@ class Engine:
         if not batch:
             return False
         self.peak_blocks = max(self.peak_blocks, self.pool.num_used())
-        logits = self.forward(batch)
+        logits, every_position = self.forward(batch)
+        if every_position is not None:
+            self.score_prompts(every_position, batch)
         self.scheduler.computed(batch)
-        tokens = self.sample(logits, batch).tolist()
-        for request, token in zip(batch, tokens):
-            self.emit(request, token)
+        tokens = self.sample(logits, batch)
+        logprobs = self.token_logprobs(logits, tokens, batch)
+        for request, token, logprob in zip(batch, tokens.tolist(), logprobs):
+            if request.params.max_tokens == 0:  # the prefill was all it asked for
+                request.text.done = True
+                self.deliver(request, None, "length")
+            else:
+                self.emit(request, token, logprob)
         self.steps += 1
         return True
 
     def forward(self, batch):
-        """Logits (B, V) of each sequence's last token, feeding every sequence its tokens
-        not yet cached, in one pass."""
+        """Feed every sequence its tokens not yet cached, in one pass: the logits (B, V) of
+        each sequence's last token, and those of every fed position (B, T, V) when a
+        sequence of the batch scores its prompt (else None: only the last position's are
+        computed, which spares a (T x vocab) matmul)."""
         tokens, cache = self.prepare(batch)
-        return self.model(tokens, cache, last_only=True)[0][:, -1]
+        every = any(s.score_prompt for s in batch)
+        logits = self.model(tokens, cache, last_only=not every)[0]
+        return logits[:, -1], logits if every else None
+
+    def score_prompts(self, logits, batch):
+        """request.prompt_logprobs for the prompts scored in this pass, from the logits
+        (B, T, V) of every fed position. A scored prompt of L tokens was fed whole,
+        right-aligned: its position p is column T - L + p, and predicts token p + 1."""
+        T = logits.size(1)
+        for row, r in enumerate(batch):
+            if r.score_prompt:
+                L = r.context_len
+                rows = logits[row, T - L:T - 1, :self.tokenizer.n_vocab]         # (L - 1, V)
+                r.prompt_logprobs = [None] + log_probabilities(
+                    rows, r.tokens[1:L], [r.params.prompt_logprobs] * (L - 1))
+
+    def token_logprobs(self, logits, tokens, batch):
+        """A Logprob of each row's new token for the rows that asked for one, else None."""
+        rows = [i for i, r in enumerate(batch) if r.params.logprobs is not None]
+        found = [None] * len(batch)
+        if rows:
+            wanted = log_probabilities(logits[rows, :self.tokenizer.n_vocab], tokens[rows].tolist(),
+                                       [batch[i].params.logprobs for i in rows])
+            for i, logprob in zip(rows, wanted):
+                found[i] = logprob
+        return found
 
     def prepare(self, batch):
         """The pass's input tokens (B, T) and its PagedCache.
@@ -174,9 +281,10 @@ class Engine:
         Rows are right-aligned (generation/loop.py's left_pad layout): S columns, the longest
         context; row b starts at column pad[b], so column c holds its position c - pad[b];
         the last T columns are fed, T = the most uncached tokens of any row. A row with
-        fewer feeds some cached tokens again; their writes go to the null block."""
+        fewer feeds some cached tokens again (so does a prompt being scored, whose every
+        position's logits are needed); their writes go to the null block."""
         tpb = self.pool.tokens_per_block
-        feed = [s.context_len - min(s.num_cached, s.context_len - 1) for s in batch]
+        feed = [s.context_len - s.first_fed(s.num_cached) for s in batch]
         T, S = max(feed), max(s.context_len for s in batch)
         lengths = torch.tensor([s.context_len for s in batch])
         pad = S - lengths                                                  # (B,)
@@ -209,23 +317,23 @@ class Engine:
             tokens[rows] = sample(logits[rows], temperature, top_k, top_p, generator)[:, 0]
         return tokens
 
-    def emit(self, request, token):
+    def emit(self, request, token, logprob=None):
         """Append the token, hand out the text that is ready, retire the request if done."""
         request.tokens.append(token)
         request.text.add(token)
         reason = ("stop" if request.text.done else
                   "length" if request.num_generated >= request.params.max_tokens else None)
         request.text.done = reason is not None  # at the end, nothing is held back
-        self.deliver(request, token, reason)
+        self.deliver(request, token, reason, logprob)
 
     def finish(self, request, reason):
         """Retire a request that did not end by itself (cancelled, or a failed step)."""
         if request.state != FINISHED:
             self.deliver(request, None, reason)
 
-    def deliver(self, request, token, reason):
+    def deliver(self, request, token, reason, logprob=None):
         end = request.text.ready()
-        output = Output(request.text.text[request.shown:end], token, reason)
+        output = Output(request.text.text[request.shown:end], token, reason, logprob)
         request.shown = end
         request.token_times.append(time.perf_counter())
         if reason is not None:
@@ -305,7 +413,7 @@ class Engine:
             self.finish(request, "error")
 
     def stats(self):
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+        return {"running": len(self.scheduler.running), "waiting": self.num_waiting(),
                 "blocks_total": self.pool.num_blocks, "blocks_free": len(self.pool.free),
                 "blocks_peak": self.peak_blocks, "tokens_per_block": self.pool.tokens_per_block,
                 "preemptions": self.scheduler.preemptions, "steps": self.steps,

@@ -39,6 +39,8 @@ class Sequence:
         self.blocks, self.hashes = [], []  # hashes: prefix hash of every full block
         self.num_cached = 0
         self.state = WAITING
+        self.score_prompt = False         # the first pass feeds the whole prompt (its logits)
+        self.cached_prompt_tokens = None  # prompt tokens the prefix cache spared, once admitted
 
     @property
     def context(self):
@@ -47,6 +49,13 @@ class Sequence:
     @property
     def context_len(self):
         return len(self.tokens) - self.start
+
+    def first_fed(self, cached):
+        """The context position the next pass starts feeding at, when `cached` context
+        tokens have keys and values in blocks: the first uncached one, but at least the last
+        token (its logits give the next token); 0 when the prompt is to be scored, whose
+        every position's logits are needed (cached keys are still read, not written)."""
+        return 0 if self.score_prompt else min(cached, self.context_len - 1)
 
 
 class Scheduler:
@@ -80,7 +89,7 @@ class Scheduler:
             seq = self.waiting[0]
             hashes = self.pool.block_hashes(seq.context)  # once: allocate() reuses them
             hit = len(self.pool.cached_blocks(hashes))
-            new = seq.context_len - min(hit * self.pool.tokens_per_block, seq.context_len - 1)
+            new = seq.context_len - seq.first_fed(hit * self.pool.tokens_per_block)
             if batch and (len(batch) + 1) * max(width, new) > self.max_prefill_tokens:
                 break
             allocated = self.pool.allocate(seq.context_len, hashes)
@@ -88,6 +97,8 @@ class Scheduler:
                 break
             seq.blocks, seq.hashes, seq.num_cached = allocated
             self.cached_tokens += seq.context_len - new
+            if seq.cached_prompt_tokens is None:  # its first admission, not a preempted one's
+                seq.cached_prompt_tokens = seq.context_len - new
             self.prefilled_tokens += new
             width = max(width, new)
             self.waiting.popleft()
@@ -133,6 +144,7 @@ class Scheduler:
         tpb = self.pool.tokens_per_block
         for seq in batch:
             seq.num_cached = seq.context_len
+            seq.score_prompt = False  # scored once, by the pass that prefilled it
             while len(seq.hashes) < seq.num_cached // tpb:
                 i = len(seq.hashes)
                 first = seq.start + i * tpb
@@ -154,14 +166,19 @@ class Scheduler:
 
     def rollback(self, seq, length):
         """seq forgets its context from position `length` on, tokens and keys (speculative
-        decoding's rejected proposals; the engine does not speculate yet). The blocks past
-        the new end go back to the pool whole (a full one keeps its prefix hash: its keys are
-        still right for the tokens it was computed for, and a later request may hit it). The
-        block the cut falls in will be written again, so it leaves the prefix index; if
-        other sequences share it, seq lets go of it instead and computes the positions it
-        kept from it again in its next pass, as after a preemption."""
-        if not 1 <= length <= seq.context_len:
-            raise ValueError(f"rollback to {length} positions: the sequence holds {seq.context_len}")
+        decoding's rejected proposals; the engine does not speculate yet, and would roll
+        proposals back before handing them out, so no token a client received, nor its
+        log-probability, is taken back). Never the prompt: echo and the generated count read
+        tokens[:prompt_len]. The blocks past the new end go back to the pool whole (a full
+        one keeps its prefix hash: its keys are still right for the tokens it was computed
+        for, and a later request may hit it). The block the cut falls in will be written
+        again, so it leaves the prefix index; if other sequences share it, seq lets go of it
+        instead and computes the positions it kept from it again in its next pass, as after
+        a preemption."""
+        prompt_in_context = max(1, seq.prompt_len - seq.start)
+        if not prompt_in_context <= length <= seq.context_len:
+            raise ValueError(f"rollback to {length} positions: the sequence holds {seq.context_len}, "
+                             f"{prompt_in_context} of them its prompt's")
         tpb = self.pool.tokens_per_block
         kept = self.pool.blocks_for(length)
         self.pool.release(seq.blocks[kept:])

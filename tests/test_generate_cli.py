@@ -190,10 +190,42 @@ def test_rows_stop_on_their_own():
 
 @pytest.mark.parametrize("line, mention", [("not json", "line 2: not JSON"),
                                            ("42", "line 2: expected a JSON string"),
-                                           ('{"text": "x"}', 'line 2: expected a JSON string')])
+                                           ('{"text": "x"}', 'line 2: expected a JSON string'),
+                                           ('"\\ud800"', "line 2: character 1 is \\ud800"),
+                                           ('{"prompt": "ab\\udc80"}', "line 2: character 3 is"),
+                                           ("[" * 1000 + "]" * 1000, "line 2: nested too deeply"),
+                                           ('"a"\v"b"', "line 2: not JSON")])
 def test_bad_prompts_file_line_names_the_line(tmp_path, line, mention):
     path = tmp_path / "bad.jsonl"
     path.write_text('"fine"\n' + line + "\n", encoding="utf-8")
     proc = run_cli("--prompts-file", str(path))
     assert proc.returncode == 2 and mention in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_prompts_file_lines_end_at_newline_only(tmp_path):
+    """JSON Lines: a JSON string may hold U+2028 and U+0085 (splitlines() cut there); \\r\\n is fine."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('"a\u2028b"\r\n"c\x85d\\fe"\n', encoding="utf-8")
+    out = generate_json("--prompts-file", str(path), "--max-new-tokens", "2")
+    assert out["prompts"] == ["a\u2028b", "c\x85d\x0ce"]
+
+
+def test_a_trillion_samples_are_refused_before_any_work():
+    """Refused before anything per row is made (a list of 10**12 rows grew at ~110 MB/s):
+    a process of its own, so that a regression ends in the timeout, not in a hung suite."""
+    proc = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--ckpt", str(BUNDLED),
+                           "--prompt", "a", "--num-samples", str(10**12)],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2 and "decoding 1,000,000,000,000 rows together would need" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_prompt_file_of_a_million_spaces(tmp_path):
+    """tiktoken alone panics on a million whitespace characters (plumbing/user_text.py, which
+    --score and --prompts-file use too); the prompt keeps its last context_len tokens."""
+    path = tmp_path / "spaces.txt"
+    path.write_text(" " * 1_000_000 + "ROMEO:", encoding="utf-8")
+    proc = generate("--prompt-file", str(path), "--max-new-tokens", "2", "--json")
+    assert json.loads(proc.stdout)["stats"]["prompt_tokens"] == [BLOCK_SIZE]
+    assert "keeping its last 256" in proc.stderr

@@ -1,16 +1,22 @@
 """Outputs (plumbing/outputs.py): checked before any work, never over a file that is not ours, written
-so that a failure (a full disk, Ctrl-C) leaves the old file and no debris behind."""
+so that a failure (a full disk, a file-size limit, Ctrl-C, SIGTERM) leaves the old file and no
+debris behind, and says why."""
 
 import errno
 import json
 import os
+import resource
+import signal
+import subprocess
+import sys
 
+import numpy
 import pytest
 
 from plumbing import outputs
 from plumbing.outputs import check_output_path, json_text, new_directory, write_atomically
-from plumbing.script import UserError
-from conftest import TINY_CONFIGS, tiny_model
+from plumbing.script import Terminated, UserError
+from conftest import ROOT, TINY_CONFIGS, tiny_model
 from plumbing.checkpoint import save_checkpoint
 
 
@@ -153,3 +159,65 @@ def test_benchmark_plot_is_marked_ours(tmp_path):
     path = tmp_path / "plot.png"
     plot(report, check_output_path(path, "png"), plt)
     assert check_output_path(path, "png") == path and os.listdir(tmp_path) == ["plot.png"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_during_a_write_leaves_no_debris(tmp_path, signum):
+    """SIGTERM (or SIGHUP) mid-write becomes Terminated, so the temporary file goes; the
+    previous handler comes back after, and a write with no signal is untouched by it."""
+    def killed_half_way(tmp):
+        open(tmp, "w").write("half")
+        os.kill(os.getpid(), signum)  # the handler runs before the next line
+        open(tmp, "a").write(" and the rest")
+    before = signal.getsignal(signum)
+    with pytest.raises(Terminated):
+        write_atomically(tmp_path / "r.json", killed_half_way)
+    with pytest.raises(Terminated):
+        with new_directory(tmp_path / "export") as tmp:
+            killed_half_way(tmp / "model.safetensors")
+    assert os.listdir(tmp_path) == [] and signal.getsignal(signum) is before
+    write_atomically(tmp_path / "r.json", "whole")
+    assert (tmp_path / "r.json").read_text() == "whole"
+
+
+def test_a_command_sent_sigterm_mid_write_ends_by_it_and_leaves_nothing(tmp_path):
+    """run() ends the process by the signal once the write has cleaned up (status -15)."""
+    script = f"""
+import os, signal, sys
+sys.path.insert(0, {str(ROOT)!r})
+from plumbing.outputs import write_atomically
+from plumbing.script import run
+def main():
+    def killed(tmp):
+        open(tmp, "w").write("half")
+        os.kill(os.getpid(), signal.SIGTERM)
+    write_atomically({str(tmp_path / 'out.gguf')!r}, killed)
+run(main)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM and proc.stderr == ""
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_file_size_limit_is_named(tmp_path):
+    """A writer that drops the OS's reason (numpy's tofile: "N requested and M written")
+    past the file-size limit (ulimit -f): the reason is found and said."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))  # this process only; put back below
+    try:
+        with pytest.raises(UserError, match=r"cannot write it \(File too large: the file-size limit "
+                                            r"\(ulimit -f\) is 1,000 bytes\); nothing was written"):
+            write_atomically(tmp_path / "w.gguf", lambda tmp: numpy.zeros(10_000).tofile(tmp))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_rust_writers_os_error_is_named(tmp_path):
+    """safetensors reports "I/O error: File too large (os error 27)" in an error of its own."""
+    class SafetensorError(Exception):
+        pass
+    with pytest.raises(UserError, match=r"cannot write it \(File too large\)"):
+        with new_directory(tmp_path / "hf"):
+            raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+    assert os.listdir(tmp_path) == []

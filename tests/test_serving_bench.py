@@ -59,3 +59,25 @@ def test_continuous_serves_the_workload_with_the_engine_on_either_thread(engine_
     result = run_continuous(engine, requests, engine_thread)
     assert result["output_tokens"] == sum(n for _, _, n in requests)
     assert len(engine.pool.free) == engine.pool.num_blocks  # every block back
+
+
+@pytest.mark.parametrize("args, mention", [
+    (["--rate", "-1"], "--rate"), (["--rate", "nan"], "--rate"), (["--rate", "inf"], "--rate"),
+    (["--modes", ""], "--modes: choose from"), (["--modes", "http,http"], "http given twice"),
+    (["--timeout", "0"], "--timeout"), (["--url", ""], "--url must start with")])
+def test_bad_values_exit_2_before_any_work(args, mention):
+    from conftest import run_script
+    proc = run_script("benchmarks/serving.py", *args)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert mention in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_server_that_accepts_but_never_answers_is_one_line():
+    """--url against a port that takes the connection and says nothing: a timeout, not a hang."""
+    import socket
+    from benchmarks.serving import run_url
+    from plumbing.script import UserError
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # listens; never accepts, never answers
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
+        with pytest.raises(UserError, match="did not answer within 0.5 s"):
+            run_url(url, [(0.0, [65], 2)], timeout=0.5)

@@ -210,10 +210,69 @@ def test_bad_requests_are_refused_before_they_queue(model):
     with pytest.raises(ValueError, match="1 to 64 tokens"):
         engine.add_request(list(range(65)), SamplingParams())
     with pytest.raises(ValueError, match="max_tokens"):
-        engine.add_request([1], SamplingParams(max_tokens=0))
+        engine.add_request([1], SamplingParams(max_tokens=-1))
     with pytest.raises(ValueError, match="top_p"):
         engine.add_request([1], SamplingParams(top_p=0))
     assert not engine.has_work()
+
+
+def direct_logprobs(model, tokens):
+    """log_softmax of one plain forward over the whole sequence: (len - 1, V), row i the
+    distribution of token i + 1."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]))[0][0, :-1, :TOKENIZER.n_vocab]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_logprobs_equal_a_direct_forward_with_prefix_caching(model):
+    """Prompt and generated tokens' log-probabilities, scored while other requests run and
+    with the prompt's first blocks already cached, equal one plain forward of the model
+    within 1e-5 (float32; the same arithmetic in differently shaped matmuls differs by
+    ~1e-6). A scored prompt is fed whole (its cached keys read, not recomputed): the
+    prefix cache spares it nothing but memory."""
+    base = random_prompts([40], seed=9)[0]
+    engine = Engine(model, TOKENIZER, tokens_per_block=8)
+    run(engine, [base[:24]], max_tokens=3, **GREEDY)  # caches base's first 3 blocks
+    prompts = [base, base[:30] + [7, 8, 9], [5]]
+    scored = [engine.add_request(p, SamplingParams(max_tokens=0, prompt_logprobs=3, **GREEDY))
+              for p in prompts]
+    generated = []
+    generating = engine.add_request(base[:26], SamplingParams(max_tokens=12, logprobs=2,
+                                                              prompt_logprobs=0, **GREEDY),
+                                    lambda r, out: generated.append(out.logprob))
+    bystander = engine.add_request(base[:25], SamplingParams(max_tokens=5, **GREEDY))
+    engine.run_until_done()
+    for p, r in zip(prompts, scored):
+        assert r.finish_reason == "length" and r.tokens == p and r.cached_prompt_tokens == 0
+        assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(p)
+        direct = direct_logprobs(model, p)
+        for i, lp in enumerate(r.prompt_logprobs[1:]):
+            assert lp.token == p[i + 1]
+            assert abs(lp.logprob - direct[i, p[i + 1]].item()) < 1e-5
+            values, ids = direct[i].topk(3)
+            assert [t for t, _ in lp.top] == ids.tolist()
+            assert max(abs(v - w) for (_, v), w in zip(lp.top, values.tolist())) < 1e-5
+    assert bystander.cached_prompt_tokens == 24  # an unscored request still skips them
+    outputs = generating.tokens
+    direct = direct_logprobs(model, outputs)
+    assert [g.token for g in generated] == outputs[26:]
+    for i, g in enumerate(generated, start=25):
+        assert abs(g.logprob - direct[i, outputs[i + 1]].item()) < 1e-5
+        assert g.top[0][0] == g.token and len(g.top) == 2  # greedy: the likeliest token
+    assert [lp.top for lp in generating.prompt_logprobs[1:]] == [[]] * 25
+    assert_pool_is_whole(engine)
+
+
+def test_stop_token_ids_end_the_text_even_past_the_end_of_text_token(model):
+    prompt = random_prompts([6], seed=10)[0]
+    whole = alone(model, prompt, 20, temperature=0)
+    stop = whole[8]
+    engine = Engine(model, TOKENIZER)
+    r = engine.add_request(prompt, SamplingParams(max_tokens=20, stop_token_ids=(stop,), **GREEDY))
+    engine.run_until_done()
+    assert r.finish_reason == "stop" and r.tokens[6:] == whole[:whole.index(stop) + 1]
+    assert r.text.text == TOKENIZER.decode(whole[:whole.index(stop)])  # not the stop token
+    assert_pool_is_whole(engine)
 
 
 def test_prefix_hashes_cover_everything_before_a_block():

@@ -38,7 +38,8 @@ def server(model):
     engine = Engine(model, TOKENIZER, tokens_per_block=8)
     engine.start()  # serve.py runs the engine on its main thread; here pytest has that
     try:
-        with BackgroundServer(engine, TOKENIZER, NAME) as url:
+        # past the context as the generation loop goes (the streams below run for long)
+        with BackgroundServer(engine, TOKENIZER, NAME, context_policy="reprefill") as url:
             yield url, engine
     finally:
         engine.stop()
@@ -148,7 +149,7 @@ BAD_REQUESTS = [
     ({"prompt": "x", "seed": "7"}, "seed", "invalid_type"),
     ({"prompt": "x", "stream": "yes"}, "stream", "invalid_type"),
     ({"prompt": "x", "stream_options": []}, "stream_options", "invalid_type"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs", "unsupported_parameter"),
+    ({"prompt": "x", "best_of": 2}, "best_of", "unsupported_parameter"),
 ]
 
 
@@ -191,7 +192,8 @@ def run_serve(*args, **kw):
 
 
 def test_serve_py_serves_a_checkpoint_and_stops_on_ctrl_c(tiny_ckpt):
-    process = run_serve("--ckpt", str(tiny_ckpt), "--port", "0", "--device", "cpu")
+    process = run_serve("--ckpt", str(tiny_ckpt), "--port", "0", "--device", "cpu",
+                        "--context-policy", "reprefill")
     try:
         for line in process.stderr:  # 'serving NAME on http://127.0.0.1:PORT/v1 (...)'
             if line.startswith("serving "):

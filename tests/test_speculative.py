@@ -264,8 +264,9 @@ def test_rollback_refuses_to_keep_what_a_row_does_not_hold(model):
 def test_paged_rollback_frees_whole_blocks_and_decoding_goes_on_the_same(model):
     """The serving pool: a sequence rolled back gives its blocks past the new end back,
     and decoding from there gives the tokens it would have given (greedy). A cut inside a
-    block shared with another sequence lets go of it instead of writing into it (blocks
-    are shared by prompts: the twin goes on as if its prompt were the 12 tokens it kept)."""
+    block another sequence shares (its prompt is the first one's text so far: the prefix
+    cache hands it the blocks generated text filled) lets go of that block instead of
+    writing into it. The prompt is never rolled back: echo and the counts read it."""
     tokenizer = byte_tokenizer()
     greedy = SamplingParams(max_tokens=40, temperature=0, stop_at_eot=False)
     prompt = random_prompts([20], seed=8)[0]
@@ -276,19 +277,23 @@ def test_paged_rollback_frees_whole_blocks_and_decoding_goes_on_the_same(model):
 
     engine = Engine(model, tokenizer, tokens_per_block=8)
     request = engine.add_request(prompt, greedy)
-    twin = engine.add_request(prompt, greedy)  # shares the prompt's two full blocks
-    for _ in range(20):  # prefill, then 19 decode steps: 39 tokens, 5 blocks each
+    for _ in range(20):  # prefill, then 19 decode steps: 39 positions cached, 5 blocks
         engine.step()
     scheduler, pool = engine.scheduler, engine.pool
-    assert len(request.blocks) == 5 and request.blocks[:2] == twin.blocks[:2]
+    twin = engine.add_request(request.tokens[:34], greedy)
+    engine.step()  # admits the twin: the 4 full blocks of its prompt are the request's
+    assert len(request.blocks) == 5 and twin.blocks[:4] == request.blocks[:4]
+    with pytest.raises(ValueError, match="its prompt's"):
+        scheduler.rollback(request, 19)
     free = len(pool.free)
-    scheduler.rollback(request, 30)  # keeps blocks 0-3 (positions 0-29), the 5th goes back
-    assert len(request.blocks) == 4 and len(pool.free) == free + 1
-    scheduler.rollback(twin, 12)     # a cut in shared block 1: the twin lets go of it
-    assert len(twin.blocks) == 1 and twin.num_cached == 8 and len(pool.free) == free + 1 + 3
-    engine.run_until_done()  # each to 40 generated: the twin to 60 tokens, 48 after the 12 kept
+    scheduler.rollback(request, 36)  # keeps blocks 0-4 (positions 0-35): nothing freed
+    assert len(request.blocks) == 5 and len(pool.free) == free
+    scheduler.rollback(request, 30)  # a cut in shared block 3: it lets go of it and the 5th
+    assert len(request.blocks) == 3 and request.num_cached == 24 and len(pool.free) == free + 1
+    assert twin.blocks[:3] == request.blocks and pool.ref_count[twin.blocks[3]] == 1  # the twin's alone now
+    engine.run_until_done()
     assert request.tokens == alone(prompt, 40)
-    assert twin.tokens == alone(prompt[:12], 48)
+    assert twin.tokens == alone(twin.tokens[:34], 40)
     assert len(pool.free) == pool.num_blocks and not any(pool.ref_count)
 
 

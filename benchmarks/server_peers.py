@@ -1,0 +1,243 @@
+"""
+Our server beside llama.cpp's own (llama-server, the server ollama and LM Studio build on),
+on identical weights, under the same load test, in turns:
+
+    python -m benchmarks.server_peers --build out/llama.cpp        # once: ~5 min on 2 cores
+    python -m benchmarks.server_peers --llama-server out/llama.cpp/build/bin/llama-server
+    python -m benchmarks.server_peers --llama-server ... --shape gpt2   # GPT-2 small, random
+
+--build fetches the llama.cpp sources pinned in requirements-llama.txt (those vendored in the
+llama-cpp-python sdist the tests use) with pip, and builds llama-server with cmake
+(-DGGML_NATIVE=ON: the machine's own vector instructions). It is the one step that needs the
+network; nothing is installed.
+
+A run writes the model as GGUF (export_gguf.py), starts `python serve.py` and llama-server
+(`-np` slots for as many requests as the workload sends at once, `-t` threads, as much
+context per slot as ours), and then, for --rounds rounds, each server in turn gets:
+  - the workload: --requests streaming clients at once, --prompt-len random tokens each,
+    --output-len tokens generated, greedy, ignore_eos (benchmarks/load_test.py);
+  - one request alone (the same prompt and length): what a single user sees.
+Output tokens/s are reported as median [min-max] over the rounds, with the ratio ours /
+llama-server of the medians. Both servers stay up for the whole run (an idle one takes no
+CPU), so the turns alternate within minutes of each other.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from plumbing.script import UserError, begin, run
+
+if __name__ == "__main__":  # run as a command; importing this file changes nothing
+    begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
+
+import torch  # noqa: E402
+
+from base_model import GPTConfig  # noqa: E402
+from benchmarks.serving import run_url  # noqa: E402
+from benchmarks.timing import spread  # noqa: E402
+from export_gguf import export  # noqa: E402
+from kv_cache import KVCacheGPT  # noqa: E402
+from plumbing.checkpoint import BUNDLED, ROOT, load_model, save_checkpoint  # noqa: E402
+from plumbing.cli import ArgumentParser, positive_int  # noqa: E402
+from plumbing.outputs import check_output_path, json_text, write_atomically  # noqa: E402
+
+SHAPES = {"gpt2": GPTConfig(context_len=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)}
+READY_SECONDS = 600  # our server compiles its paged kernel at start-up: minutes on 2 busy cores
+
+
+# ---------------------------------------------------------------------------- building
+
+def pinned_version():
+    """The llama-cpp-python version requirements-llama.txt pins (its vendored llama.cpp)."""
+    for line in (ROOT / "requirements-llama.txt").read_text().splitlines():
+        if line.startswith("llama-cpp-python=="):
+            return line.split("==")[1].strip()
+    raise UserError("requirements-llama.txt pins no llama-cpp-python version")
+
+
+def build(dest):
+    """Fetch the pinned sources into dest and build llama-server; returns its path."""
+    version, dest = pinned_version(), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                    f"llama-cpp-python=={version}", "-d", str(dest)], check=True)
+    sdist = dest / f"llama_cpp_python-{version}.tar.gz"
+    subprocess.run(["tar", "xzf", str(sdist), "-C", str(dest)], check=True)
+    source = dest / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    subprocess.run(["cmake", "-S", str(source), "-B", str(source / "build"), "-DLLAMA_CURL=OFF",
+                    "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release"], check=True)
+    subprocess.run(["cmake", "--build", str(source / "build"), "--target", "llama-server",
+                    "-j", str(os.cpu_count() or 2)], check=True)
+    return source / "build" / "bin" / "llama-server"
+
+
+# ---------------------------------------------------------------------------- the servers
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url, process, name):
+    """Poll url/models until the server answers (its model loaded, warmed up)."""
+    deadline = time.monotonic() + READY_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise UserError(f"{name} exited with status {process.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url + "/models", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise UserError(f"{name} was not ready within {READY_SECONDS} s")
+
+
+def start_ours(ckpt, port, slots, log):
+    command = [sys.executable, str(ROOT / "serve.py"), "--ckpt", str(ckpt), "--port", str(port),
+               "--max-batch", str(slots)]
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def start_llama_server(binary, gguf, port, slots, context_len, threads, log):
+    """llama-server with a slot per concurrent request, each with our context length
+    (-c is the total over the slots), on `threads` threads for generation and prompts."""
+    command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+               "-np", str(slots), "-c", str(slots * context_len), "-t", str(threads),
+               "-tb", str(threads), "--no-webui"]
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+
+# ---------------------------------------------------------------------------- the run
+
+def workload(args, vocab):
+    """--requests prompts of --prompt-len random token ids, all sent at once."""
+    g = torch.Generator().manual_seed(args.seed)
+    return [(0.0, torch.randint(vocab, (args.prompt_len,), generator=g).tolist(), args.output_len)
+            for _ in range(args.requests)]
+
+
+def model_checkpoint(args, folder):
+    """(checkpoint path, what it is, context_len, tokenizer size): the bundled model (or
+    --ckpt), or a random model of --shape saved with the bundled tokenizer (its extra
+    embedding rows are padding no prompt uses)."""
+    if not args.shape:
+        model, tokenizer = load_model(KVCacheGPT, args.ckpt, report=lambda line: None)
+        name = "bundled model" if args.ckpt is None else Path(args.ckpt).name
+        return args.ckpt or BUNDLED, name, model.config.context_len, tokenizer.n_vocab
+    _, tokenizer = load_model(KVCacheGPT, BUNDLED, report=lambda line: None)
+    spec = torch.load(BUNDLED, weights_only=True)["tokenizer"]
+    torch.manual_seed(0)
+    path = Path(folder) / f"{args.shape}.pt"
+    save_checkpoint(path, KVCacheGPT(SHAPES[args.shape]), spec, dtype=torch.float16)
+    return path, f"{args.shape} shape (random weights)", SHAPES[args.shape].context_len, tokenizer.n_vocab
+
+
+def measure(args):
+    with tempfile.TemporaryDirectory(prefix="server-peers.") as folder:
+        ckpt, name, context_len, vocab = model_checkpoint(args, folder)
+        gguf = Path(folder) / "model.gguf"
+        export(ckpt, gguf, "f32", report=lambda line: None)
+        requests = workload(args, vocab)
+        ports = {"ours": free_port(), "llama-server": free_port()}
+        with open(Path(folder) / "ours.log", "w") as ours_log, \
+                open(Path(folder) / "llama.log", "w") as llama_log:
+            servers = {"ours": start_ours(ckpt, ports["ours"], args.requests, ours_log),
+                       "llama-server": start_llama_server(args.llama_server, gguf, ports["llama-server"],
+                                                          args.requests, context_len, args.threads,
+                                                          llama_log)}
+            try:
+                urls = {k: f"http://127.0.0.1:{p}/v1" for k, p in ports.items()}
+                for k in servers:
+                    wait_ready(urls[k], servers[k], k)
+                return name, turns(args, urls, requests)
+            finally:
+                for process in servers.values():
+                    process.terminate()
+                for process in servers.values():
+                    process.wait(timeout=30)
+
+
+def turns(args, urls, requests):
+    """{server: {"many": [tok/s per round], "one": [...]}}, the servers alternating."""
+    results = {k: {"many": [], "one": [], "errors": 0} for k in urls}
+    for k, url in urls.items():  # a warm-up each: first requests pay for allocation
+        run_url(url, requests[:2], args.timeout)
+    for round_ in range(args.rounds):
+        for k, url in urls.items():
+            many = run_url(url, requests, args.timeout)
+            one = run_url(url, requests[:1], args.timeout)
+            results[k]["many"].append(many["tok_s"])
+            results[k]["one"].append(one["tok_s"])
+            results[k]["errors"] += many["errors"] + one["errors"]
+            print(f"round {round_ + 1}: {k:12s} {args.requests} at once {many['tok_s']:8.1f} tok/s, "
+                  f"one request {one['tok_s']:7.1f} tok/s", file=sys.stderr, flush=True)
+    return results
+
+
+def report(name, results, args):
+    ours, theirs = results["ours"], results["llama-server"]
+    rows = {}
+    for what in ("many", "one"):
+        a, b = spread(ours[what]), spread(theirs[what])
+        rows[what] = {"ours_tok_s": a, "llama_server_tok_s": b, "ratio": a["median"] / b["median"]}
+    print(f"\n{name}, {args.requests} requests x {args.prompt_len} prompt tokens x {args.output_len} "
+          f"new tokens, greedy, llama-server -t {args.threads}; median [min-max] of {args.rounds} rounds\n")
+    print("| workload | ours tok/s | llama-server tok/s | ours / llama-server |")
+    print("|---|---|---|---|")
+    for what, label in (("many", f"{args.requests} at once"), ("one", "one request alone")):
+        r = rows[what]
+        cells = [f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]"
+                 for s in (r["ours_tok_s"], r["llama_server_tok_s"])]
+        print(f"| {label} | {cells[0]} | {cells[1]} | {r['ratio']:.2f}x |")
+    print(f"\nerrors: ours {ours['errors']}, llama-server {theirs['errors']}")
+    return {"model": name, "requests": args.requests, "prompt_len": args.prompt_len,
+            "output_len": args.output_len, "threads": args.threads, "rounds": args.rounds,
+            "torch": torch.__version__, "llama_cpp_python": pinned_version(), **rows,
+            "errors": {"ours": ours["errors"], "llama_server": theirs["errors"]}}
+
+
+def main():
+    p = ArgumentParser(description="serve.py beside llama.cpp's llama-server on identical weights, "
+                       "the same load test in turns (see the module docstring).")
+    action = p.add_mutually_exclusive_group(required=True)
+    action.add_argument("--build", metavar="DIR", help="fetch the pinned llama.cpp sources into DIR "
+                        "and build llama-server (needs cmake, a C++ compiler and the network)")
+    action.add_argument("--llama-server", metavar="PATH", help="the llama-server binary to compare with")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--ckpt", help="checkpoint (default: the bundled model)")
+    source.add_argument("--shape", choices=list(SHAPES), help="a random-weight model of this shape")
+    p.add_argument("--requests", type=positive_int, default=64, help="clients at once (default: 64)")
+    p.add_argument("--prompt-len", type=positive_int, default=16, help="default: 16")
+    p.add_argument("--output-len", type=positive_int, default=128, help="default: 128")
+    p.add_argument("--rounds", type=positive_int, default=3, help="default: 3")
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count() or 2,
+                   help="llama-server's threads (default: the CPUs, as torch uses)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds a server may stay silent before a request fails (default: 120)")
+    p.add_argument("--seed", type=int, default=0, help="the prompts' seed (default: 0)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args()
+    if args.build:
+        print(f"built {build(args.build)}")
+        return
+    if not Path(args.llama_server).is_file() or not os.access(args.llama_server, os.X_OK):
+        raise UserError(f"--llama-server {args.llama_server}: not an executable file; build one "
+                        "with python -m benchmarks.server_peers --build DIR")
+    json_path = check_output_path(args.json, "json") if args.json else None
+    name, results = measure(args)
+    out = report(name, results, args)
+    if json_path:
+        write_atomically(json_path, json_text(out, generator="benchmarks.server_peers", indent=1))
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,39 @@
+"""benchmarks/server_peers.py: serve.py beside llama.cpp's llama-server. Its errors are one
+line; the run itself needs a llama-server binary (python -m benchmarks.server_peers --build
+DIR makes one in ~5 minutes), named by $LLAMA_SERVER, and is skipped without one."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_script
+
+LLAMA_SERVER = os.environ.get("LLAMA_SERVER")
+
+
+def test_a_missing_binary_is_one_line(tmp_path):
+    proc = run_script("benchmarks/server_peers.py", "--llama-server", str(tmp_path / "nope"))
+    assert proc.returncode == 2 and "not an executable file" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_one_action_is_required():
+    proc = run_script("benchmarks/server_peers.py")
+    assert proc.returncode == 2 and "--build" in proc.stderr
+
+
+@pytest.mark.skipif(not LLAMA_SERVER, reason="set LLAMA_SERVER to a llama-server binary "
+                    "(python -m benchmarks.server_peers --build DIR) to run both servers")
+def test_both_servers_answer_the_same_load(tmp_path):
+    out = tmp_path / "peers.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.server_peers", "--llama-server",
+                           LLAMA_SERVER, "--requests", "2", "--output-len", "8", "--rounds", "1",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["errors"] == {"ours": 0, "llama_server": 0}
+    assert all(result[w]["ours_tok_s"]["median"] > 0 and result[w]["llama_server_tok_s"]["median"] > 0
+               for w in ("many", "one"))
