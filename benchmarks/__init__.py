@@ -12,5 +12,7 @@ them in turn; report.py prints them):
     batching.py        many different prompts decoded as one batch: aggregate tokens/s
     peers.py           the systems people use, on identical weights: transformers, llama.cpp
     kv_dtypes.py       the cache's dtypes at a long context, and transformers' quantized cache
+    speculative.py     speculative decoding: prompt lookup and a draft model, beside
+                       transformers' and llama.cpp's own
     report.py          the tables, and the plot
 """

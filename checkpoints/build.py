@@ -7,6 +7,8 @@ Build the bundled demo model: corpus -> tokenizer -> train -> save.
 Writes checkpoints/shakespeare/heldout.txt (Macbeth + The Tempest, never trained on) and
 checkpoints/shakespeare/ckpt.pt (fp16 weights + tokenizer + how it was made).
 `python checkpoints/build.py --smoke` runs a few steps only, to test the pipeline.
+`python checkpoints/build.py --preset draft` builds the speculative-decoding draft instead
+(checkpoints/shakespeare-draft/ckpt.pt: 2 blocks, 128 wide, the bundled model's tokenizer).
 Seeded: data, init and batches are fixed by the seed; how many steps fit in the time
 budget depends on how busy the CPUs are (see get_progress and the README).
 """
@@ -44,6 +46,19 @@ weight_decay = 0.1
 grad_clip = 1.0
 eval_every = 1000
 seed = 1337
+bf16 = True              # bf16 autocast (weights and optimizer stay fp32)
+
+# --preset draft: the draft model of speculative decoding (generation/speculative.py). A draft
+# proposes tokens that the bundled model then checks, so it must share its tokenizer (it is
+# read from the bundled checkpoint, not trained again) and cost a fraction of its step:
+# 2 blocks of 2 heads x 64 dims, ~1M parameters. Small models take a larger learning rate.
+# Bound by steps (the clock only as a safety net), so a rerun on a busy machine is the same
+# run, only slower. In fp32: on the build machine (AVX2, no AVX512-BF16) bf16 autocast made
+# this small model's steps 4-11x slower (checkpoints/README.md, the draft model).
+DRAFT_PRESET = dict(out="shakespeare-draft", tokenizer_from=OUT / "ckpt.pt",
+                    model_args=dict(model_args, n_layer=2, n_head=2, n_embd=128),
+                    learning_rate=2e-3, min_lr=2e-4, max_steps=3000, time_budget=90 * 60,
+                    bf16=False)
 
 
 def get_lr(step, progress):
@@ -84,7 +99,7 @@ def evaluate(model, data, n_chars, fast=True):
     for x, y in chunks:
         if y.numel() == 0:
             continue
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast and bf16):
             _, loss = model(x, y)
         total += loss.item() * y.numel()
         count += y.numel()
@@ -93,10 +108,18 @@ def evaluate(model, data, n_chars, fast=True):
 
 
 def main():
-    global max_steps, eval_every, warmup_steps, time_budget
+    global max_steps, eval_every, warmup_steps, time_budget, model_args, learning_rate, min_lr, bf16
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--smoke", action="store_true", help="a few steps, to test the pipeline")
+    parser.add_argument("--preset", choices=["bundled", "draft"], default="bundled",
+                        help="the bundled model (default), or the draft for speculative decoding")
     args = parser.parse_args()
+    out, tokenizer_from = OUT, None
+    if args.preset == "draft":
+        preset = DRAFT_PRESET
+        out, tokenizer_from = HERE / preset["out"], preset["tokenizer_from"]
+        model_args, learning_rate, min_lr = preset["model_args"], preset["learning_rate"], preset["min_lr"]
+        max_steps, time_budget, bf16 = preset["max_steps"], preset["time_budget"], preset["bf16"]
     if args.smoke:
         max_steps, eval_every, warmup_steps, time_budget = 6, 3, 2, 600
     torch.set_num_threads(2)
@@ -109,8 +132,9 @@ def main():
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "heldout.txt").write_text(heldout_text, encoding="utf-8")
 
-    # 2. tokenizer, trained on the training plays only
-    spec = train_tokenizer(train_plays)
+    # 2. tokenizer, trained on the training plays only (or the bundled model's, for a draft)
+    spec = (torch.load(tokenizer_from, weights_only=True)["tokenizer"] if tokenizer_from
+            else train_tokenizer(train_plays))
     enc = encoding(spec)
     check_roundtrip(enc)
     eot = enc.encode(EOT, allowed_special={EOT})
@@ -147,7 +171,7 @@ def main():
         for g in optimizer.param_groups:
             g["lr"] = lr
         x, y = get_batch(train_data, gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             _, loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -167,7 +191,7 @@ def main():
     train_seconds = time.time() - t0
 
     # 5. save in fp16, then score the saved file exactly as users will load it (fp32)
-    path = OUT / "ckpt.pt"
+    path = out / "ckpt.pt"
     meta = dict(train_tokens=len(train_data), steps=step,
                 tokens_seen=step * tokens_per_step, train_seconds=round(train_seconds, 1),
                 heldout_plays=["Macbeth", "The Tempest"], heldout_chars=n_chars,

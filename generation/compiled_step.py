@@ -16,6 +16,9 @@ slower. Here every shape is fixed for the whole generation:
     them, with a mask that hides the columns not written yet (and any left padding);
   - the step's position is a tensor, not a Python int: the write index for the new key and
     value (index_put_ at that column) and the row of the position table it looks up.
+A step may also feed a fixed number T > 1 of tokens per row (speculative decoding verifies
+its proposals in one such step: generation/speculative.py): T is part of the shape, so each
+T is a graph of its own; that step hands back logits, for the proposer's verification.
 Reading the whole buffer costs a little (the bundled model's full cache is 3 MB against
 23 MB of weights; GPT-2's 75 MB against 494 MB): less than what compiling removes.
 
@@ -47,67 +50,74 @@ class StaticStep:
     it writes the new column at a position held in a tensor and attends over the whole
     buffer, so no shape depends on how much has been cached."""
 
-    def __init__(self, kv, length):
-        self.kv, self.length = kv, length  # (n_layer, 2, B, nh, max_len, hd); (1,) LongTensor
-        B, nh = kv.size(2), kv.size(3)
-        # index tensors broadcasting to (2, B, nh, 1): k and v, every row and head, one column
+    def __init__(self, kv, new_columns):
+        self.kv = kv  # (n_layer, 2, B, nh, max_len, hd)
+        B, nh, T = kv.size(2), kv.size(3), new_columns.size(0)
+        # index tensors broadcasting to (2, B, nh, T): k and v, every row and head, the T
+        # new columns (new_columns (T,) LongTensor: length, length + 1, ...)
         self.k_or_v = torch.arange(2, device=kv.device).view(2, 1, 1, 1)
         self.rows = torch.arange(B, device=kv.device).view(1, B, 1, 1)
         self.heads = torch.arange(nh, device=kv.device).view(1, 1, nh, 1)
+        self.columns = new_columns.view(1, 1, 1, T)
 
     def attend(self, layer, q, k, v, mask):
-        # k, v: (B, nh, 1, hd), written at column `length` of this layer. One index_put_ on
+        # k, v: (B, nh, T, hd), written at the new columns of this layer. One index_put_ on
         # the whole buffer, not a write into the view kv[layer]: the compiler turns a write
         # into a view of its input into a copy of the whole buffer (every layer, every step:
         # 3x slower than eager), while a write into the input itself stays in place.
         layer_index = torch.full((1, 1, 1, 1), layer, device=k.device)
-        self.kv.index_put_((layer_index, self.k_or_v, self.rows, self.heads, self.length),
-                           torch.stack([k, v]))  # (2, B, nh, 1, hd)
+        self.kv.index_put_((layer_index, self.k_or_v, self.rows, self.heads, self.columns),
+                           torch.stack([k, v]))  # (2, B, nh, T, hd)
         k_all, v_all = self.kv[layer, 0], self.kv[layer, 1]  # (B, nh, max_len, hd): every column
-        # Attention written out instead of SDPA: for one query, inductor fuses these
+        # Attention written out instead of SDPA: for a few queries, inductor fuses these
         # into its own loops, while SDPA's CPU kernel is a separate call costing more than its
         # arithmetic (a large share of a bundled step). Unwritten columns masked.
-        scores = (q @ k_all.transpose(-2, -1)) * q.size(-1) ** -0.5          # (B, nh, 1, max_len)
+        scores = (q @ k_all.transpose(-2, -1)) * q.size(-1) ** -0.5          # (B, nh, T, max_len)
         weights = scores.masked_fill(~mask, float("-inf")).float().softmax(-1).to(q.dtype)
-        return weights @ v_all                                                # (B, nh, 1, hd)
+        return weights @ v_all                                                # (B, nh, T, hd)
 
 
-def decode_step(model, token, kv, length, pad):
-    """Logits (B, V) for token (B, 1) at column `length` ((1,) LongTensor) of the cache
-    buffer kv; pad (B,): left-padding columns per row (zeros when there is none).
+def decode_step(model, tokens, kv, length, pad):
+    """Logits (B, T, V) for tokens (B, T) at columns length.. of the cache buffer kv (length:
+    (1,) LongTensor); pad (B,): left-padding columns per row (zeros when there is none).
 
     KVCacheGPT.forward, with its three cache-dependent parts written with tensors:"""
     max_len = kv.size(4)
+    new_columns = length + torch.arange(tokens.size(1), device=kv.device)  # (T,)
     # (1) positions: each row's column minus its padding, looked up by tensor
-    positions = (length - pad)[:, None]                                   # (B, 1)
-    x = model.transformer.wte(token) + model.transformer.wpe(positions)   # (B, 1, C)
-    # (3) the mask: keys written so far (this step's included), none in a row's padding
+    positions = new_columns[None, :] - pad[:, None]                       # (B, T)
+    x = model.transformer.wte(tokens) + model.transformer.wpe(positions)  # (B, T, C)
+    # (3) the mask: for the token at column c, the keys up to c (its own included), none in
+    # a row's padding
     columns = torch.arange(max_len, device=kv.device)
-    visible = (columns <= length) & (columns >= pad[:, None])             # (B, max_len)
-    mask = visible[:, None, None, :]                                      # (B, 1, 1, max_len)
-    cache = StaticStep(kv, length)
+    visible = ((columns[None, None, :] <= new_columns[None, :, None])
+               & (columns[None, None, :] >= pad[:, None, None]))          # (B, T, max_len)
+    mask = visible[:, None]                                               # (B, 1, T, max_len)
+    cache = StaticStep(kv, new_columns)
     for layer, block in enumerate(model.transformer.h):
         # (2) the cache update, inside attention, as in the eager model
         x = block(x, cache=cache, layer=layer, mask=mask)
-    return model.head(x)[:, -1]
+    return model.head(x)
 
 
 class StepProgram(torch.nn.Module):
-    """One decode step as the compiled artifact holds it: decode_step, then the draw of
-    each row's next token, so that only token ids come back (B,) and sampling's dozen
-    small operations run inside the graph too. Sampling settings are fixed per program
-    (each setting is a graph of its own); the random draw's noise comes in as an input,
-    filled from the caller's torch.Generator, so a seed still fixes the text."""
+    """One step as the compiled library holds it: decode_step, then, given sampling
+    settings, the draw of each row's next token inside the graph too, so that only token
+    ids come back (B,) and sampling's dozen small operations are compiled with the rest.
+    The settings are fixed per program (each is a graph of its own); the draw's noise comes
+    in as an input, filled from the caller's torch.Generator, so a seed still fixes the
+    text. Without settings (sampling=None) the step hands back its logits (B, T, V): what
+    speculative decoding's verification and its draft need."""
 
-    def __init__(self, model, temperature, top_k, top_p, vocab_limit):
+    def __init__(self, model, sampling, vocab_limit):
         super().__init__()
-        self.model = model
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-        self.vocab_limit = vocab_limit
+        self.model, self.sampling, self.vocab_limit = model, sampling, vocab_limit
 
     def forward(self, tokens, kv, length, pad, noise):
-        logits = decode_step(self.model, tokens, kv, length, pad)[:, :self.vocab_limit]
-        return sample_with_noise(logits, noise, **self.sampling)[:, 0]  # (B,)
+        logits = decode_step(self.model, tokens, kv, length, pad)        # (B, T, V)
+        if self.sampling is None:
+            return logits
+        return sample_with_noise(logits[:, -1, :self.vocab_limit], noise, **self.sampling)[:, 0]
 
 
 def export_program(program, example_inputs):
@@ -136,41 +146,44 @@ def build_program(program, example_inputs):
 
 
 class CompiledStep:
-    """The decode step of one generation's shapes, compiled ahead of time: call decode()
-    once per step. Built by compile_for; kept on the model and reused by any later
-    generation with the same batch size, dtype and sampling."""
+    """The step of one generation's shapes, compiled ahead of time: call decode() once per
+    step. Built by compile_for, kept on the model and reused by a later generation of the
+    same shapes and settings."""
 
-    def __init__(self, model, kv, sampling, vocab_limit):
+    def __init__(self, model, kv, tokens_per_step, sampling, vocab_limit):
         batch_size, device = kv.size(2), kv.device
         vocab = vocab_limit or model.config.vocab_size
         # inputs of the graph, allocated once and refilled in place every step
         self.length = torch.zeros(1, dtype=torch.long, device=device)
-        self.noise = torch.ones(batch_size, vocab, device=device)
-        self.generator, self.greedy = None, sampling["temperature"] == 0
-        program = StepProgram(model, vocab_limit=vocab_limit, **sampling)
+        self.noise = torch.ones(batch_size, vocab if sampling else 1, device=device)
+        self.generator = None
+        self.draws = sampling is not None and sampling["temperature"] > 0
+        program = StepProgram(model, sampling, vocab_limit)
         kv = torch.empty_like(kv)  # the real buffer's shape, for tracing (never written)
-        token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
-        self.run = build_program(program, (token, kv, self.length, token[:, 0], self.noise))
+        tokens = torch.zeros(batch_size, tokens_per_step, dtype=torch.long, device=device)
+        self.run = build_program(program, (tokens, kv, self.length, tokens[:, 0].contiguous(), self.noise))
 
     def decode(self, tokens, cache):
-        """Each row's next token (B,) after tokens (B, 1): the step writes its column into
-        the cache's buffer in place, and the cache counts it."""
-        pad = cache.pad if cache.pad is not None else torch.zeros_like(tokens[:, 0])
+        """Feed tokens (B, T) at the cache's next columns: each row's next token (B,), or
+        the logits (B, T, V) for a program without sampling. The step writes its columns
+        into the cache's buffer in place, and the cache counts them."""
+        tokens = tokens.contiguous()  # the library was built for these strides
+        pad = cache.pad.contiguous() if cache.pad is not None else torch.zeros_like(tokens[:, 0])
         self.length.fill_(cache.length)
-        if not self.greedy:  # Exp(1) noise for sample_with_noise's draw
+        if self.draws:  # Exp(1) noise for sample_with_noise's draw
             self.noise.exponential_(generator=self.generator)
-        (next_tokens,) = self.run([tokens, cache.kv, self.length, pad, self.noise])
-        cache.advance(1)
-        return next_tokens
+        (out,) = self.run([tokens, cache.kv, self.length, pad, self.noise])
+        cache.advance(tokens.size(1))
+        return out
 
 
-def compile_for(model, cache, temperature=1.0, top_k=None, top_p=None, generator=None,
-                vocab_limit=None):
-    """The CompiledStep for this cache's shapes and these sampling settings (sample.py's),
-    and the seconds building it took, which the loop reports apart from the decode speed.
-    The model keeps the last one it built, reused while shapes, settings and weights stay
-    the same (only the last: each holds a copy of the weights). cache: a kv_cache.KVCache
-    in the model's dtype."""
+def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None):
+    """The CompiledStep for this cache's shapes, tokens_per_step tokens per row and these
+    sampling settings (sample.py's temperature, top_k, top_p and generator; None: the step
+    returns logits), and the seconds building it took, which the loop reports apart from
+    the decode speed. The model keeps the last one it built, reused while shapes, settings
+    and weights stay the same (only the last: each holds a copy of the weights).
+    cache: a kv_cache.KVCache in the model's dtype."""
     if getattr(cache, "kv_dtype", None) != dtype_name(model.lm_head.weight.dtype):
         # the step writes raw keys and values of the model's dtype into the buffer
         raise ValueError("the compiled decode step needs the preallocated cache in the "
@@ -179,17 +192,18 @@ def compile_for(model, cache, temperature=1.0, top_k=None, top_p=None, generator
     # poisons attention (0 x NaN = NaN), and the buffer is torch.empty: any bits at all.
     # Zero what has not been written, once per generation.
     cache.kv[..., cache.length:, :].zero_()
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    generator = sampling and sampling["generator"]
+    settings = sampling and {k: sampling[k] for k in ("temperature", "top_k", "top_p")}
     # the library holds the weights as they were: a weight written in place since (its
     # version counter moved) or replaced (another tensor) means a new build
     weights = tuple((t.data_ptr(), t._version) for t in itertools.chain(model.parameters(), model.buffers()))
-    key = (tuple(cache.kv.shape), cache.kv.dtype, str(cache.kv.device), *sampling.values(),
-           vocab_limit, weights)
+    key = (tuple(cache.kv.shape), cache.kv.dtype, str(cache.kv.device), tokens_per_step,
+           settings and tuple(settings.values()), vocab_limit, weights)
     t0 = time.perf_counter()
     built = getattr(model, "_compiled_step", None)
     if built is None or built[0] != key:
         model._compiled_step = None  # free the old one's weights before building
-        model._compiled_step = key, CompiledStep(model, cache.kv, sampling, vocab_limit)
+        model._compiled_step = key, CompiledStep(model, cache.kv, tokens_per_step, settings, vocab_limit)
     step = model._compiled_step[1]
     step.generator = generator
     return step, time.perf_counter() - t0

@@ -2,8 +2,9 @@
 build for every step, the same tokens as the eager loop, sampling inside the step with the
 model's distribution.
 
-Graph logic is checked on the exported graph run by Python (torch.export's program, the
-same graph AOTInductor compiles, without generating C++), so that a build takes a second;
+Graph logic is checked on the exported graph run by Python (conftest's `builds`:
+torch.export's program, the graph AOTInductor compiles, without generating C++), so that a
+build takes a second;
 one test builds for real, on a 1-layer model to keep the C++ short. Token equality is
 exact: the static step reads the masked whole buffer instead of the filled columns, which
 changes only float rounding (~1e-6 on these logits), and these seeds have no near-ties."""
@@ -13,26 +14,11 @@ import torch
 
 from base_model import GPTConfig
 from conftest import tiny_model
-from generation import compiled_step
 from generation.loop import Generation, GenerationStats, generate_tokens
 from kv_cache import KVCache
 from sample import probabilities
 
 CONFIG = GPTConfig(context_len=32, vocab_size=260, n_layer=2, n_head=2, n_embd=32)
-
-
-@pytest.fixture
-def builds(monkeypatch):
-    """build_program without the C++: the exported graph, run by Python. Returns the list of
-    the programs built, to count them."""
-    built = []
-
-    def run_exported(program, example_inputs):
-        module = compiled_step.export_program(program, example_inputs).module()
-        built.append(program)
-        return lambda inputs: [module(*inputs)]
-    monkeypatch.setattr(compiled_step, "build_program", run_exported)
-    return built
 
 
 def greedy(model, prompts, n, **kw):
