@@ -35,6 +35,7 @@ from benchmarks.kv_dtypes import kv_dtype_latency, quantized_peer  # noqa: E402
 from benchmarks.llama_speed import llama_speed, print_llama_speed  # noqa: E402
 from benchmarks.peers import llama_cpp_missing, transformers_table  # noqa: E402
 from benchmarks.report import plot, print_report  # noqa: E402
+from benchmarks import speculative  # noqa: E402
 from benchmarks.weight_formats import kernel_timings  # noqa: E402
 from kv_cache import CACHED_MODELS  # noqa: E402
 from plumbing.checkpoint import ROOT  # noqa: E402
@@ -116,6 +117,9 @@ def parse_args():
     p.add_argument("--context-policies", action="store_true", help="add both context policies "
                    "(reprefill, sinks) on the held-out text, 4x the checkpoint's context "
                    "(python -m benchmarks.context_policy runs it alone)")
+    p.add_argument("--no-speculative", action="store_true", help="skip speculative decoding "
+                   "(prompt lookup and the draft model, with their peers: several minutes)")
+    speculative.add_arguments(p)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write the cost curves as a PNG (needs matplotlib)")
     args = p.parse_args()
@@ -126,6 +130,7 @@ def parse_args():
         args.kv_peer_chars = min(args.kv_peer_chars, 3000)
     if args.naive_check is None:
         args.naive_check = 32 if args.quick else 128
+    speculative.fill_defaults(args)
     check_run_is_possible(args, p)
     return args
 
@@ -174,6 +179,8 @@ def main():
         plt = import_pyplot()
 
     model, tokenizer, device = load_from_args(CACHED_MODELS, args)
+    # the speculative section runs last: its flags and its draft are checked now
+    spec_plan = None if args.no_speculative else speculative.plan(args, model, tokenizer)
     reps, shape = args.reps, f"{args.shape} shape"
     shape_model = random_model(args.shape, device)  # random weights, shared by the sections
     r = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
@@ -208,6 +215,9 @@ def main():
         r["context_policies"] = context_policies(model, tokenizer, HELDOUT.read_text(encoding="utf-8"), reps=reps)
     if args.llama_speed:
         r["llama_speed"] = llama_speed("llama-3.2-1b", min(args.demo_tokens, 32), reps, device)
+    if not args.no_speculative:  # on the fp32 weights, as the peers get them
+        r["speculative"] = speculative.speculative_section(fp32_checkpoint(args, model), spec_plan,
+                                                           args, peers=not args.no_peer)
     r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print_report(r)
     if "context_policies" in r:

@@ -12,6 +12,8 @@ through the KV cache, sample, stream the text, stop.
     python generate.py --score checkpoints/shakespeare/heldout.txt --kv-dtype int8
     python generate.py --ckpt checkpoints/shakespeare-llama/ckpt.pt --prompt "ROMEO:" \
         --max-new-tokens 1000 --context-policy sinks    # past the context without recomputing
+    python generate.py --prompt "ROMEO:" --temperature 0 --speculate 4 --prompt-lookup 3 --stats
+    python generate.py --prompt "ROMEO:" --speculate 3 --draft checkpoints/shakespeare-draft/ckpt.pt
 
 This file is the command: it drives the generation loop (generation/loop.py: prefill,
 decode one token at a time, sample), turns its tokens into text and decides when each row
@@ -35,10 +37,12 @@ import torch.nn.functional as F  # noqa: E402
 
 from generation.loop import (CONTEXT_POLICIES, DEFAULT_SINKS, Generation, GenerationStats,  # noqa: E402
                              check_context_policy)
+from generation.speculative import DraftModel  # noqa: E402
 from kv_cache import CACHED_MODELS  # noqa: E402
 from kv_quant import KV_DTYPES, cache_formula, dtype_name  # noqa: E402
 from plumbing.checkpoint import NAIVE_MODELS  # noqa: E402
-from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
+from plumbing.cli import (ArgumentParser, add_model_args, add_speculation_args,  # noqa: E402
+                          check_speculation_args, load_from_args, positive_int, proposer_from_args)
 from plumbing.outputs import json_text  # noqa: E402
 from plumbing.text_stream import SampleText  # noqa: E402
 from plumbing.user_text import TextError, as_prompt, check_text, encode_text  # noqa: E402
@@ -72,7 +76,7 @@ def parse_args():
     p.add_argument("--no-cache", action="store_true",
                    help="the naive loop: re-run the whole context every step (for comparison)")
     p.add_argument("--compile", action="store_true",
-                   help="decode through a static-shape step compiled once with torch.compile "
+                   help="decode through a static-shape step compiled ahead of time (AOTInductor) "
                    "(compiling takes a while: --stats reports it apart from the decode speed)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, help="store the KV cache as this dtype "
                    "(int8, int4: quantized, scales counted in --stats); attention still runs in "
@@ -83,6 +87,7 @@ def parse_args():
                    "rest by a rotation: Llama-family models) (default: reprefill)")
     p.add_argument("--sinks", type=int, default=DEFAULT_SINKS,
                    help=f"first tokens that --context-policy sinks keeps (default: {DEFAULT_SINKS})")
+    add_speculation_args(p)
     p.add_argument("--no-stream", action="store_true", help="print once at the end")
     p.add_argument("--stats", action="store_true", help="timings and cache size, on stderr")
     p.add_argument("--json", action="store_true",
@@ -117,13 +122,17 @@ def parse_args():
         p.error("--sinks applies to --context-policy sinks; add it, or drop --sinks")
     if args.score is not None:
         refuse_generation_flags(p, args)
+    check_speculation_args(p, args)
+    if args.speculate and args.no_cache:
+        p.error("--speculate: speculative decoding rolls a cache back, and --no-cache keeps none; "
+                "drop one of them")
     return args
 
 
 # what only generating uses: with --score each is refused rather than silently ignored
 GENERATION_FLAGS = ["--max-new-tokens", "--temperature", "--top-k", "--top-p", "--num-samples",
-                    "--stop", "--ignore-eot", "--compile", "--no-stream", "--stats",
-                    "--context-policy", "--sinks"]
+                    "--stop", "--ignore-eot", "--compile", "--speculate", "--prompt-lookup", "--draft",
+                    "--no-stream", "--stats", "--context-policy", "--sinks"]
 
 
 def refuse_generation_flags(p, args):
@@ -259,12 +268,15 @@ def encode_user_text(tokenizer, text, what):
         raise UserError(f"{what}: {e}") from None
 
 
-def generate(args, prompts, model, tokenizer, device):
+def generate(args, prompts, model, tokenizer, device, proposer):
     # checked before anything per row exists: 10**12 rows must not start to be listed
     n_rows = len(prompts) * args.num_samples
     kv_dtype = args.kv_dtype or dtype_name(model.lm_head.weight.dtype)
-    check_fits_in_memory(generation_memory(model.config, n_rows, kv_dtype),
-                         f"decoding {n_rows:,} rows together",
+    rows_bytes = generation_memory(model.config, n_rows, kv_dtype)
+    if isinstance(proposer, DraftModel):  # its own cache for every row
+        draft = proposer.model
+        rows_bytes += generation_memory(draft.config, n_rows, dtype_name(draft.lm_head.weight.dtype))
+    check_fits_in_memory(rows_bytes, f"decoding {n_rows:,} rows together",
                          f"--num-samples {args.num_samples} with {len(prompts)} prompts")
     rows = [i for i in range(len(prompts)) for _ in range(args.num_samples)]  # prompt-major
     ids = [encode_prompt(p, tokenizer, model.config.context_len) for p in prompts]
@@ -285,7 +297,8 @@ def generate(args, prompts, model, tokenizer, device):
     else:
         generation = Generation(model, ids, args.max_new_tokens, num_samples=args.num_samples,
                                 compile=args.compile, cache_kind=args.kv_dtype,
-                                context_policy=args.context_policy, sinks=args.sinks, **loop_args)
+                                context_policy=args.context_policy, sinks=args.sinks,
+                                speculate=args.speculate or 0, proposer=proposer, **loop_args)
         steps_out = iter(generation)
     steps, decoded, t_first = 0, 0, None
     for step_rows, step_tokens in steps_out:
@@ -309,7 +322,7 @@ def generate(args, prompts, model, tokenizer, device):
         sample.finish()  # max_new_tokens reached: show what is held back for stop strings
 
     report = generation_stats(model, args, loop_args["stats"], ids, samples,
-                              steps, decoded, t_end - t_start, t_first and t_first - t_start)
+                              steps, decoded, t_end - t_start, t_first and t_first - t_start, proposer)
     if args.json:
         out = {"prompts": prompts, "texts": [s.text for s in samples], "stats": report}
         if len(prompts) == 1:
@@ -321,7 +334,8 @@ def generate(args, prompts, model, tokenizer, device):
         print_stats(report)
 
 
-def generation_stats(model, args, stats, ids, samples, steps, decoded, seconds, first_token_seconds):
+def generation_stats(model, args, stats, ids, samples, steps, decoded, seconds, first_token_seconds,
+                     proposer=None):
     rows = len(samples)
     decode_seconds = seconds - first_token_seconds if first_token_seconds is not None else 0.0
     report = {
@@ -335,6 +349,11 @@ def generation_stats(model, args, stats, ids, samples, steps, decoded, seconds, 
         "forward_passes": stats.forward_passes,
         "prefill_passes": stats.prefill_passes,
         "positions_processed": stats.positions_processed,
+        "speculative": proposer and {
+            "speculate": args.speculate, "proposer": proposer.describe(),
+            "proposed": stats.proposed, "accepted": stats.accepted,
+            "acceptance_rate": stats.accepted / stats.proposed if stats.proposed else None,
+            "verify_passes": stats.verify_passes, "draft_forward_passes": stats.draft_passes},
     }
     if not args.no_cache:  # the naive loop keeps no cache
         kv_dtype = args.kv_dtype or dtype_name(model.lm_head.weight.dtype)
@@ -363,6 +382,14 @@ def print_stats(r):
         f"decode:              {fmt(r['decode_tokens_per_second'], 'tokens/s')}",
         f"forward passes:      {r['forward_passes']}, {r['positions_processed']} positions processed",
     ]
+    spec = r["speculative"]
+    if spec:
+        rate = "n/a" if spec["acceptance_rate"] is None else f"{spec['acceptance_rate']:.1%}"
+        drafts = spec["draft_forward_passes"]
+        lines.append(f"speculative:         {spec['proposer']}, up to {spec['speculate']} per step: "
+                     f"{spec['proposed']} proposed, {spec['accepted']} accepted ({rate}) in "
+                     f"{spec['verify_passes']} verifying passes"
+                     + (f"; {drafts} draft passes" if drafts else ""))
     if "cache_bytes_allocated" in r:
         lines += [f"KV cache:            {r['cache_formula']} = {r['cache_bytes_formula']:,} B by the formula",
                   f"                     {r['cache_bytes_allocated']:,} B allocated "
@@ -455,6 +482,7 @@ def main():
             raise UserError("--no-cache generates one prompt at a time (the naive loop has no "
                             "padding); pass a single prompt, or drop --no-cache")
     model, tokenizer, device = load_from_args(NAIVE_MODELS if args.no_cache else CACHED_MODELS, args)
+    proposer = proposer_from_args(CACHED_MODELS, args, model, tokenizer, device)
     if args.kv_dtype:
         try:  # a quantized cache needs a head size it can pack
             model.new_cache(1, args.kv_dtype)
@@ -465,7 +493,7 @@ def main():
     except ValueError as e:
         raise UserError(f"--context-policy {args.context_policy}: {e}") from None
     if args.score is None:
-        return generate(args, prompts, model, tokenizer, device)
+        return generate(args, prompts, model, tokenizer, device, proposer)
     result = score(model, tokenizer, text, device, args.kv_dtype)
     if args.json:
         print(json_text(result))

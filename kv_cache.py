@@ -15,7 +15,8 @@ Read it in this order: the caches (what `cache.update` does), then KVCacheGPT.fo
 change), then KVCacheLlama.forward (the same change for rotary positions and grouped-query
 attention). The loop that generates with them is generation/loop.py. Run
 `python kv_cache.py` for the demo: parity with a full forward, speed with and without the
-cache, its size (`--ckpt checkpoints/shakespeare-llama/ckpt.pt`: what fewer heads save).
+cache, its size (`--ckpt checkpoints/shakespeare-llama/ckpt.pt`: what fewer heads save), a
+batch, and speculative decoding (the cache rolled back).
 """
 
 import time
@@ -43,7 +44,9 @@ from kv_quant import cache_bytes, cache_formula, dtype_name, storage_format
 #     cache.attend(layer, q, k, v, mask)         update(), then attention over what it returns
 #   GenerationCache   what the generation loop needs too: nbytes(), and moves on rows and
 #                     columns (select_rows, drop_oldest, write_rows, empty_like; for the
-#                     sinks policy forget_column and map_keys)
+#                     sinks policy forget_column and map_keys), and
+#                     rollback(positions): forget every position past a length, per row
+#                     (speculative decoding's rejected proposals: generation/speculative.py)
 # A cache stores n_kv_head heads (config.n_kv_head): every head for GPT-2, fewer for a model
 # with grouped-query attention, whose query heads share them.
 # The serving engine's paged cache (serving/paged_cache.py) and the compiled step's view of
@@ -115,6 +118,41 @@ class GenerationCache(Cache):
         if self.pad is not None:
             self._move_pad(pad=self.pad - (column < self.pad).long())
 
+    def rollback(self, positions):
+        """Forget every position from positions[b] on in row b (positions: (B,) LongTensor):
+        what the cache keeps is as if those tokens had never been fed. Speculative decoding
+        feeds proposed tokens and keeps those the model agrees with, a different number in
+        every row.
+
+        Rows are right-aligned (every row's newest token in the last column, so that a step
+        writes all rows at one column), and a row's positions are its columns less its
+        padding. So: the columns that every row forgets are dropped from the end, and a row
+        that forgets more has its kept columns moved right by the difference, its padding
+        growing as much, which leaves every kept key at its position:
+
+            before (length 6)      rollback([5, 2])       after (length 5)
+            row 0:  a b c d e f    keeps a b c d e        row 0:  a b c d e
+            row 1:  . . w x y z    keeps w x: moves 1     row 1:  . . . w x
+
+        Rotary keys (KVCacheLlama) are cached after rotation by their position, and a kept
+        key's position does not change, so none is turned again: rollback only forgets.
+        """
+        held = self.length - (self.pad if self.pad is not None else 0)  # (B,) positions held
+        if ((positions < 0) | (positions > held)).any():
+            raise ValueError(f"rollback to {positions.tolist()} positions: the rows hold "
+                             f"{(held + 0 * positions).tolist()}")
+        forget = held - positions                       # (B,) columns each row forgets
+        shift = forget - forget.min()                   # how far each row's kept columns move
+        self.length -= int(forget.min())
+        self._keep_columns(shift)
+        pad = shift if self.pad is None else self.pad + shift
+        self.pad = pad if pad.any() else None
+
+    def _keep_columns(self, shift):
+        """rollback's move, self.length being the new length already: keep the first length
+        columns, row b's first length - shift[b] of them moved right by shift[b]."""
+        raise NotImplementedError
+
     def _move_pad(self, index=None, dropped=0, pad=None):
         """Keep `pad` in step with select_rows and drop_oldest."""
         if pad is not None:
@@ -184,6 +222,15 @@ class ConcatCache(GenerationCache):
 
     def map_keys(self, start, fn):
         self.layers = [(torch.cat([k[:, :, :start], fn(k[:, :, start:])], dim=2), v)
+                       for k, v in self.layers]
+
+    def _keep_columns(self, shift):
+        if not shift.any():  # no row moves: every row just ends earlier
+            self.layers = [(k[:, :, :self.length], v[:, :, :self.length]) for k, v in self.layers]
+            return
+        source = source_columns(shift, self.length)[:, None, :, None]  # (B, 1, length, 1)
+        self.layers = [(k.gather(2, source.expand(*k.shape[:2], -1, k.size(3))),
+                        v.gather(2, source.expand(*v.shape[:2], -1, v.size(3))))
                        for k, v in self.layers]
 
 
@@ -267,12 +314,28 @@ class KVCache(GenerationCache):
         keys = self.kv[:, 0, :, :, start:self.length]  # (n_layer, B, nh, columns, width): every layer at once
         keys.copy_(self.format.encode(fn(self.format.decode(keys))))
 
+    def _keep_columns(self, shift):
+        # the columns past length are simply overwritten later; only the rows that move are copied
+        rows = shift.nonzero()[:, 0]
+        if not rows.numel():
+            return
+        moving = self.kv[:, :, rows, :, :self.length]  # (n_layer, 2, r, nh, length, width), a copy
+        source = source_columns(shift[rows], self.length)[None, None, :, None, :, None]
+        self.kv[:, :, rows, :, :self.length] = moving.gather(4, source.expand_as(moving))
+
 
 def columns_kept(column, length):
     """(B, length - 1): for each column a row keeps, the column it comes from, when row b
     forgets column[b] of `length`."""
     kept = torch.arange(length - 1, device=column.device)
     return kept + (kept >= column[:, None])
+
+
+def source_columns(shift, length):
+    """(B, length): for rows moving right by shift (B,), the column each of the first `length`
+    columns takes its contents from. Those left of a row's moved columns become padding:
+    what they hold is never seen."""
+    return (torch.arange(length, device=shift.device) - shift[:, None]).clamp(min=0)
 
 
 def as_cache(past_kv, n_layer):
@@ -498,11 +561,68 @@ def timed_generate(model, idx, n, vocab_limit, **loop_args):
     return out, n / (time.perf_counter() - t0)
 
 
+def speculative_step_by_hand(model, tokenizer, ids, k, n):
+    """One step of speculative decoding done with the cache directly, printed: at the first
+    point of the text ids (a greedy generation: the model's own choices) where a prompt-lookup
+    proposal is partly right."""
+    from generation.speculative import PromptLookup, verify
+    lookup = PromptLookup(n)
+    for end in range(2, len(ids) - k):
+        lookup.start([ids[:end]])
+        proposals = lookup.propose(k)
+        proposed = proposals.tokens[0, :proposals.counts[0]].tolist()
+        right = next((i for i, (a, b) in enumerate(zip(proposed, ids[end:])) if a != b), len(proposed))
+        if 0 < right < len(proposed):
+            break
+    else:
+        print("   (no proposal in this text is partly right: see the totals below)")
+        return
+    show = lambda tokens: " ".join(repr(tokenizer.decode([t])) for t in tokens)  # noqa: E731
+    cache = model.new_cache(1)
+    model(torch.tensor([ids[:end - 1]]), cache)  # the text so far, but its newest token
+    print(f"   the text so far ends {tokenizer.decode(ids[max(0, end - 8):end])!r}; "
+          f"the cache holds {cache.length} columns")
+    print(f"   prompt lookup proposes {show(proposed)}")
+    fed = torch.tensor([[ids[end - 1]] + proposed])
+    logits, cache = model(fed, cache)  # the newest token and the proposals, one pass
+    tokens, counts = verify(logits, proposals, temperature=0)
+    accepted = int(counts[0]) - 1
+    print(f"   one pass over the newest token + {len(proposed)} proposals: the cache holds "
+          f"{cache.length}; the model's own choices {show(tokens[0].tolist())}")
+    cache.rollback(torch.tensor([end + accepted]))  # the newest token + the accepted ones
+    print(f"   it agrees with the first {accepted}, then adds its own "
+          f"{show(tokens[0, accepted:accepted + 1].tolist())}: {accepted + 1} tokens for one pass")
+    print(f"   rollback: the cache forgets the {len(proposed) - accepted} rejected and holds "
+          f"{cache.length} columns, as if they had never been fed")
+
+
+def speculative_part(model, tokenizer, prompt, n_tokens, k, n, draft, kv):
+    """Part 5: a step by hand, then whole generations with each proposer against plain."""
+    from generation.speculative import PromptLookup
+    n_vocab = tokenizer.n_vocab
+    plain, plain_tps = timed_generate(model, prompt, n_tokens, n_vocab, **kv)
+    speculative_step_by_hand(model, tokenizer, plain[0].tolist(), k, n)
+    proposers = {f"prompt lookup ({n}-grams)": PromptLookup(n)}
+    if draft is not None:
+        proposers[draft.describe()] = draft
+    print(f"   {n_tokens} new tokens, greedy, up to {k} proposals per pass; plain: {plain_tps:.1f} tokens/s")
+    for name, proposer in proposers.items():
+        stats = GenerationStats()
+        options = dict(speculate=k, proposer=proposer, **kv)
+        timed_generate(model, prompt, 8, n_vocab, **options)  # warm-up
+        out, tps = timed_generate(model, prompt, n_tokens, n_vocab, stats=stats, **options)
+        print(f"   {name}: {stats.proposed} proposed, {stats.accepted} accepted "
+              f"({stats.accepted / max(1, stats.proposed):.0%}), {stats.forward_passes} forward passes "
+              f"for {n_tokens} tokens; {tps:.1f} tokens/s ({tps / plain_tps:.2f}x); same tokens: "
+              f"{'yes' if torch.equal(out, plain) else 'no (float ties in argmax)'}")
+
+
 def main():
     # the command-line layer, for the demo only: importing this module never loads it
     from kv_quant import KV_DTYPES
     from plumbing.checkpoint import NAIVE_MODELS
-    from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int, prepare_for_generation
+    from plumbing.cli import (ArgumentParser, add_model_args, add_speculation_args, check_speculate,
+                              load_from_args, positive_int, prepare_for_generation, proposer_from_args)
     from plumbing.script import UserError
     from plumbing.user_text import prompt_tokens
 
@@ -514,9 +634,13 @@ def main():
     parser.add_argument("--compile", action="store_true", help="also time the cached loop "
                         "with its static-shape decode step compiled (generation/compiled_step.py)")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, help="also store the cache as this "
-                        "dtype (int8, int4: quantized; kv_quant.py) and use it in parts 2-4")
+                        "dtype (int8, int4: quantized; kv_quant.py) and use it in parts 2-5")
+    add_speculation_args(parser)
     args = parser.parse_args()
     model, tokenizer, device = load_from_args(CACHED_MODELS, args)
+    args.speculate = args.speculate or 4  # part 5: prompt lookup always, the draft if given
+    check_speculate(args.speculate, model)
+    draft = proposer_from_args(CACHED_MODELS, args, model, tokenizer, device) if args.draft is not None else None
     kv = {"cache_kind": args.kv_dtype} if args.kv_dtype else {}  # the loop's, or its default
     try:
         model.new_cache(1, args.kv_dtype)
@@ -603,6 +727,11 @@ def main():
     for text, row, single in zip(texts, batch, alone):
         print(f"   {len(tokenizer.encode_ordinary(text)):2d}-token prompt {text.splitlines()[0]!r:14s}: "
               f"same {n} tokens as alone: {'yes' if torch.equal(row, single) else 'no'}")
+
+    print("\n5. Speculative decoding: propose tokens, check them in one pass, roll the cache back")
+    with torch.no_grad():
+        speculative_part(model, tokenizer, prompt, args.tokens, args.speculate,
+                         args.prompt_lookup or 3, draft, kv)
 
 
 if __name__ == "__main__":

@@ -38,12 +38,15 @@ def clean_logits(logits):
     has any, only those tokens stay in it, equally likely. A row with no finite or +inf
     logit has no token to pick, and that is an error rather than a silent choice."""
     logits = without_nan(logits.float())
-    certain = torch.isposinf(logits)
-    if certain.any():
-        has_certain = certain.any(dim=-1, keepdim=True)
-        logits = torch.where(has_certain, torch.where(certain, 0.0, float("-inf")), logits)
-    if torch.isneginf(logits).all(dim=-1).any():
-        raise ValueError("a row of logits excludes every token (all -inf or NaN): nothing to sample")
+    # A compiled graph cannot branch on values, so it leaves out the two checks below: they
+    # are for logits from elsewhere (a model's own are finite)
+    if not torch.compiler.is_compiling():
+        certain = torch.isposinf(logits)
+        if certain.any():
+            has_certain = certain.any(dim=-1, keepdim=True)
+            logits = torch.where(has_certain, torch.where(certain, 0.0, float("-inf")), logits)
+        if torch.isneginf(logits).all(dim=-1).any():
+            raise ValueError("a row of logits excludes every token (all -inf or NaN): nothing to sample")
     # softmax does not change when a row's max is subtracted; doing it first means that
     # dividing by a tiny temperature cannot overflow to inf
     return logits - logits.max(dim=-1, keepdim=True).values
@@ -75,6 +78,16 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     if temperature == 0:
         # greedy: no softmax, no random draw. NaN would win argmax, so it is excluded first.
         return without_nan(logits).argmax(dim=-1, keepdim=True)
+    probs = probabilities(logits, temperature, top_k, top_p)
+    # multinomial does not need the row to sum to 1, so no renormalisation after top-p
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def probabilities(logits, temperature=1.0, top_k=None, top_p=None):
+    """The distribution sample() draws from, for temperature > 0: fp32 weights (..., V), in
+    proportion to each token's probability (after top-p they sum to less than 1: divide by
+    the sum for probabilities). Speculative decoding (generation/speculative.py) needs it
+    as numbers, not as a draw."""
     # fp32 cannot hold every positive Python float: a temperature under ~1e-45 rounds to 0
     # (0/0 = NaN at the row's max: multinomial raised), one over ~3.4e38 to inf (-inf/inf =
     # NaN at excluded tokens, which were then sampled). Clamped to fp32's normal range,
@@ -86,5 +99,16 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     probs = F.softmax(logits, dim=-1)
     if top_p is not None and top_p < 1:
         probs = top_p_filter(probs, top_p)
-    # multinomial does not need the row to sum to 1, so no renormalisation after top-p
-    return torch.multinomial(probs, num_samples=1, generator=generator)
+    return probs
+
+
+def sample_with_noise(logits, noise, temperature=1.0, top_k=None, top_p=None):
+    """sample()'s draw without torch.multinomial, for a compiled graph (only tensor
+    operations, no branch on values): noise (B, V) holds independent Exp(1) numbers E_i,
+    and the token is the argmax of p_i / E_i. The same distribution: E_i / p_i is
+    exponential with rate p_i, and the first of independent exponential clocks to ring is
+    clock i with probability p_i / sum_j p_j. The caller draws the noise
+    (noise.exponential_(generator=...)), so a seed still fixes the text. Returns (B, 1)."""
+    if temperature == 0:
+        return without_nan(logits).argmax(dim=-1, keepdim=True)
+    return (probabilities(logits, temperature, top_k, top_p) / noise).argmax(dim=-1, keepdim=True)

@@ -15,5 +15,7 @@ them in turn; report.py prints them):
     llama_speed.py     a Llama-3.2-1B-shaped model beside llama.cpp f32, q8_0, q4_0 (--llama-speed)
     context_policy.py  reprefill against sinks past the context: cost per token, bits/char
                        (--context-policies)
+    speculative.py     speculative decoding: prompt lookup and a draft model, beside
+                       transformers' and llama.cpp's own
     report.py          the tables, and the plot
 """

@@ -56,7 +56,7 @@ def ours_variant(fp32_model, dtype, scheme, group_size, compile):
 
 def compile_step(model, prompt):
     """Compile the static-shape decode step for this model and prompt before any timed run
-    (compiled_decode_step keeps the graph on the model; later runs reuse it)."""
+    (compile_for keeps the build on the model; later runs reuse it)."""
     model.generate(prompt, 2, temperature=0, compile=True)
 
 

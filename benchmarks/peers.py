@@ -39,9 +39,10 @@ def random_prompt(vocab_size, device="cpu"):
 
 # ---------------------------------------------------------------------------- transformers
 
-def transformers_peer(shape, ours, device, n, reps):
-    """Hugging Face transformers' GPT2LMHeadModel.generate() on identical weights; None
-    when transformers is not installed."""
+def transformers_twin(ours, device):
+    """transformers' GPT2LMHeadModel holding our model's weights (export_hf's state dict);
+    None when transformers is not installed. Its end-of-text id is 0, a token our models
+    never produce: min_new_tokens then keeps it from ending a run early, and nothing else."""
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
@@ -49,7 +50,15 @@ def transformers_peer(shape, ours, device, n, reps):
     from export_hf import hf_config, hf_state_dict
     theirs = GPT2LMHeadModel(GPT2Config(**hf_config(ours.config, eot=0)))
     theirs.load_state_dict(hf_state_dict(ours), strict=False)  # lm_head: tied to wte
-    theirs = theirs.to(device).eval()
+    return theirs.to(device).eval()
+
+
+def transformers_peer(shape, ours, device, n, reps):
+    """Hugging Face transformers' GPT2LMHeadModel.generate() on identical weights; None
+    when transformers is not installed."""
+    theirs = transformers_twin(ours, device)
+    if theirs is None:
+        return None
     prompt = random_prompt(ours.config.vocab_size, device)
 
     def hf_generate(**kw):
@@ -115,11 +124,12 @@ def placeholder_tokenizer():
                              special_tokens={})
 
 
-def load_llama(path, n_ctx, threads):
-    """llama.cpp on a GGUF file, CPU only, with its own log output silenced."""
+def load_llama(path, n_ctx, threads, draft_model=None):
+    """llama.cpp on a GGUF file, CPU only, with its own log output silenced. draft_model:
+    llama-cpp-python's proposer for speculative decoding (LlamaPromptLookupDecoding)."""
     from llama_cpp import Llama
     return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
-                 n_threads_batch=threads, n_gpu_layers=0, verbose=False)
+                 n_threads_batch=threads, n_gpu_layers=0, verbose=False, draft_model=draft_model)
 
 
 def llama_greedy(llm, prompt, n):

@@ -4,6 +4,7 @@ cost curves and batch speeds as a PNG.
 """
 
 from benchmarks.cache_cost import KINDS
+from benchmarks.speculative import print_section as print_speculative
 from plumbing.outputs import MARK, write_atomically
 
 
@@ -24,6 +25,8 @@ def print_report(r):
     print_transformers_peer(r)
     print_kv_dtypes(r["kv_dtypes"])
     print_quantized_peer(r["quantized_peer"])
+    if "speculative" in r:
+        print_speculative(r["speculative"])
 
 
 def print_seed_demo(d, checkpoint):

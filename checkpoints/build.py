@@ -12,6 +12,8 @@ The GPT-2-style model (--model gpt, the default) writes checkpoints/shakespeare/
 from the GPT-2-style checkpoint, so build that first) and writes
 checkpoints/shakespeare-llama/ckpt.pt; both are scored on the same held-out plays.
 `python checkpoints/build.py --smoke` runs a few steps only, to test the pipeline.
+`python checkpoints/build.py --preset draft` builds the speculative-decoding draft instead
+(checkpoints/shakespeare-draft/ckpt.pt: 2 blocks, 128 wide, the bundled model's tokenizer).
 Seeded: data, init and batches are fixed by the seed; how many steps fit in the time
 budget depends on how busy the CPUs are (see get_progress and the README).
 """
@@ -58,6 +60,19 @@ weight_decay = 0.1
 grad_clip = 1.0
 eval_every = 1000
 seed = 1337
+bf16 = True              # bf16 autocast where the CPU has it (weights and optimizer stay fp32)
+
+# --preset draft: the draft model of speculative decoding (generation/speculative.py). A draft
+# proposes tokens that the bundled model then checks, so it must share its tokenizer (it is
+# read from the bundled checkpoint, not trained again) and cost a fraction of its step:
+# 2 blocks of 2 heads x 64 dims, ~1M parameters. Small models take a larger learning rate.
+# Bound by steps (the clock only as a safety net), so a rerun on a busy machine is the same
+# run, only slower. In fp32: on the build machine (AVX2, no AVX512-BF16) bf16 autocast made
+# this small model's steps 4-11x slower (checkpoints/README.md, the draft model).
+DRAFT_PRESET = dict(out="shakespeare-draft", tokenizer_from=MODELS["gpt"][3] / "ckpt.pt",
+                    model_args=dict(GPT_ARGS, n_layer=2, n_head=2, n_embd=128),
+                    learning_rate=2e-3, min_lr=2e-4, max_steps=3000, time_budget=90 * 60,
+                    bf16=False)
 
 
 def fast_bfloat16():
@@ -66,6 +81,12 @@ def fast_bfloat16():
     emulated and far slower than fp32: on a 2-core AVX2 AMD EPYC, 47 tok/s against 1,900
     for the GPT-2-style model (batch 8 x 256, 2 threads, warm), so training runs in fp32."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def autocast_bf16():
+    """Whether training runs under bf16 autocast: where the preset allows it (bf16) and the
+    CPU has it natively (fast_bfloat16)."""
+    return bf16 and fast_bfloat16()
 
 
 def get_lr(step, progress):
@@ -106,7 +127,7 @@ def evaluate(model, data, n_chars, fast=True):
     for x, y in chunks:
         if y.numel() == 0:
             continue
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast and fast_bfloat16()):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast and autocast_bf16()):
             _, loss = model(x, y)
         total += loss.item() * y.numel()
         count += y.numel()
@@ -115,19 +136,31 @@ def evaluate(model, data, n_chars, fast=True):
 
 
 def main():
-    global max_steps, eval_every, warmup_steps, time_budget
+    global max_steps, eval_every, warmup_steps, time_budget, model_args, learning_rate, min_lr, bf16
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--smoke", action="store_true", help="a few steps, to test the pipeline")
     parser.add_argument("--model", choices=list(MODELS), default="gpt", help="gpt: the GPT-2-style "
                         "model (default); llama: the Llama-style one, with the gpt one's tokenizer")
+    parser.add_argument("--preset", choices=["bundled", "draft"], default="bundled",
+                        help="the bundled model (default), or the draft for speculative decoding "
+                        "(GPT-2-style; it drafts for both bundled models, which share a tokenizer)")
     parser.add_argument("--steps", type=int, help="train exactly this many steps, however long "
                         "they take, instead of at most 4000 in 27 minutes: the budget in steps, "
                         "for a machine shared with other jobs (where the clock would stop early)")
     parser.add_argument("--out", type=Path, help="folder to write into (default: "
-                        "checkpoints/shakespeare or checkpoints/shakespeare-llama)")
+                        "checkpoints/shakespeare, checkpoints/shakespeare-llama or "
+                        "checkpoints/shakespeare-draft)")
     args = parser.parse_args()
-    global model_args
+    if args.preset == "draft" and args.model != "gpt":
+        parser.error("--preset draft builds the GPT-2-style draft (it drafts for the Llama-style "
+                     "model too: same tokenizer); drop --model llama")
     model_class, config_class, model_args, out = MODELS[args.model]
+    tokenizer_from = None if args.model == "gpt" else MODELS["gpt"][3] / "ckpt.pt"
+    if args.preset == "draft":
+        preset = DRAFT_PRESET
+        out, tokenizer_from = HERE / preset["out"], preset["tokenizer_from"]
+        model_args, learning_rate, min_lr = preset["model_args"], preset["learning_rate"], preset["min_lr"]
+        max_steps, time_budget, bf16 = preset["max_steps"], preset["time_budget"], preset["bf16"]
     out = args.out or out
     if args.steps:
         max_steps, time_budget = args.steps, math.inf
@@ -141,15 +174,12 @@ def main():
     train_plays, heldout_plays = build_corpus()
     heldout_text = "\n".join(heldout_plays)
     out.mkdir(parents=True, exist_ok=True)
-    if args.model == "gpt":
+    if tokenizer_from is None:  # the build that trains the tokenizer writes the held-out plays
         (out / "heldout.txt").write_text(heldout_text, encoding="utf-8")
 
-    # 2. tokenizer, trained on the training plays only (the Llama-style model takes the
-    #    GPT-2-style one's, so that the two are scored on the same tokens)
-    if args.model == "gpt":
-        spec = train_tokenizer(train_plays)
-    else:
-        spec = read_checkpoint(MODELS["gpt"][3] / "ckpt.pt")["tokenizer"]
+    # 2. tokenizer, trained on the training plays only (the Llama-style model and the draft
+    #    take the GPT-2-style one's, so that all three are scored on the same tokens)
+    spec = read_checkpoint(tokenizer_from)["tokenizer"] if tokenizer_from else train_tokenizer(train_plays)
     enc = encoding(spec)
     check_roundtrip(enc)
     eot = enc.encode(EOT, allowed_special={EOT})
@@ -166,7 +196,8 @@ def main():
     # 3. model and optimizer
     model = model_class(config_class(**model_args))
     print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model_args}; training in "
-          f"{'bf16 autocast' if fast_bfloat16() else 'fp32 (this CPU has no native bf16)'}", flush=True)
+          f"{'bf16 autocast' if autocast_bf16() else 'fp32 (no native bf16 here, or the preset says fp32)'}",
+          flush=True)
     # weight decay on matrices only (not on biases and LayerNorm gains), as in nanoGPT
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
@@ -174,7 +205,7 @@ def main():
     optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.99))
     gen = torch.Generator().manual_seed(seed)  # batches are reproducible too
 
-    # 4. training loop; bf16 autocast where the CPU has it natively (fast_bfloat16)
+    # 4. training loop; bf16 autocast where the CPU has it natively (autocast_bf16)
     tokens_per_step = batch_size * model_args["context_len"]
     t0 = time.time()
     step = 0
@@ -187,7 +218,7 @@ def main():
         for g in optimizer.param_groups:
             g["lr"] = lr
         x, y = get_batch(train_data, gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast_bfloat16()):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16()):
             _, loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -212,8 +243,8 @@ def main():
                 tokens_seen=step * tokens_per_step, train_seconds=round(train_seconds, 1),
                 heldout_plays=["Macbeth", "The Tempest"], heldout_chars=n_chars,
                 heldout_tokens=len(heldout_data), seed=seed,
-                budget="steps" if args.steps else "27 minutes or 4000 steps",
-                autocast="bfloat16" if fast_bfloat16() else "none")
+                budget="steps" if args.steps else f"{time_budget / 60:.0f} minutes or {max_steps} steps",
+                autocast="bfloat16" if autocast_bf16() else "none")
     save_checkpoint(path, model, spec, dtype=torch.float16, **meta)
     loaded, _ = load_model(NAIVE_MODELS, path)
     nats, bpc = evaluate(loaded, heldout_data, n_chars, fast=False)

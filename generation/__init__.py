@@ -5,6 +5,8 @@ Generation: a model and prompts in, tokens out, one step at a time.
                       context reprefill or (rotary models) evict, finished rows; every caller
                       generates through it
     compiled_step.py  the decode step with shapes that never change, compiled once (--compile)
+    speculative.py    speculative decoding: proposers (prompt lookup, a draft model) and the
+                      rule that verifies their tokens in one pass (--speculate)
 
 generate.py is the command that drives it (text in, text out); kv_cache.py's demo, the
 benchmarks and the tests call it directly.

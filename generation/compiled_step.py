@@ -1,34 +1,49 @@
 """
-A decode step whose shapes never change, so that torch.compile compiles it once.
+A decode step whose shapes never change, compiled ahead of time into one C++ library.
 
 A batch-1 decode step does little arithmetic: it reads every weight once and makes one
 token. On a CPU the rest of its time is overhead, not work: Python and PyTorch's dispatch
 run ~15 small operations per layer, each paying microseconds before any number is touched
-(on the bundled model that is most of a step). torch.compile traces the step into one graph,
-fuses the small operations (LayerNorm, GELU, the residual adds, the mask) into generated
-C++ loops and calls the matmul kernels directly, so the Python is gone.
+(on the bundled model that is most of a step). Compiling traces the step into one graph,
+fuses the small operations (LayerNorm, GELU, the residual adds, the mask, the sampling)
+into generated C++ loops and calls the matmul kernels directly, so the Python is gone.
 
-But it can only do that for shapes it has seen. The eager step's shapes change every step
-(the cache holds one more column, the mask and positions slice moves), and a graph keyed
-on them recompiles each time: that is why compiling KVCacheGPT.forward as it is made
-decoding 7x slower. Here every shape is fixed for the whole generation:
+But a graph holds fixed shapes. The eager step's shapes change every step (the cache
+holds one more column, the mask and positions slice moves), and a graph keyed on them
+recompiles each time: that is why compiling KVCacheGPT.forward as it is made decoding 7x
+slower. Here every shape is fixed for the whole generation:
   - the cache is the preallocated KVCache, context_len columns, and attention reads all of
     them, with a mask that hides the columns not written yet (and any left padding);
   - the step's position is a tensor, not a Python int: the write index for the new key and
-    value (index_put_ at that column) and the row of the position table it looks up.
+    value (index_put_ at that column) and the row of the position table it looks up (for
+    a Llama-family model, the rotary angles it computes).
+A step may also feed a fixed number T > 1 of tokens per row (speculative decoding verifies
+its proposals in one such step: generation/speculative.py): T is part of the shape, so each
+T is a graph of its own; that step hands back logits, for the proposer's verification.
 Reading the whole buffer costs a little (the bundled model's full cache is 3 MB against
 23 MB of weights; GPT-2's 75 MB against 494 MB): less than what compiling removes.
+
+Ahead of time, not just in time: torch.compile's result runs Python on every call (guards
+that check the inputs still match the graph, a wrapper around it), a fixed cost per step
+that a small model feels. torch.export and AOTInductor (build_program) make the same graph
+into a library called with a list of tensors and nothing else; the sampling is inside it
+(sample.sample_with_noise), so a step hands back token ids, and its inputs (position,
+noise) are buffers refilled in place: a step allocates nothing but its output.
 
 Only decode is compiled; the prompt's prefill and the reprefill past the context change
 shape by nature and stay eager (generation/loop.py). Rows that finish early keep running
 (unseen): dropping them would change the batch size and so the graph.
 """
 
+import itertools
+import tempfile
 import time
+import warnings
 
 import torch
 
 from kv_quant import dtype_name
+from sample import sample_with_noise
 
 
 class StaticStep:
@@ -36,77 +51,150 @@ class StaticStep:
     it writes the new column at a position held in a tensor and attends over the whole
     buffer, so no shape depends on how much has been cached."""
 
-    def __init__(self, kv, length):
-        self.kv, self.length = kv, length  # (n_layer, 2, B, n_kv_head, max_len, hd); (1,) LongTensor
-        B, nh = kv.size(2), kv.size(3)
-        # index tensors broadcasting to (2, B, nh, 1): k and v, every row and head, one column
+    def __init__(self, kv, new_columns):
+        self.kv = kv  # (n_layer, 2, B, n_kv_head, max_len, hd)
+        B, nh, T = kv.size(2), kv.size(3), new_columns.size(0)
+        # index tensors broadcasting to (2, B, n_kv_head, T): k and v, every row and stored
+        # head, the T new columns (new_columns (T,) LongTensor: length, length + 1, ...)
         self.k_or_v = torch.arange(2, device=kv.device).view(2, 1, 1, 1)
         self.rows = torch.arange(B, device=kv.device).view(1, B, 1, 1)
         self.heads = torch.arange(nh, device=kv.device).view(1, 1, nh, 1)
+        self.columns = new_columns.view(1, 1, 1, T)
 
     def attend(self, layer, q, k, v, mask):
-        # q (B, nh, 1, hd); k, v: (B, n_kv_head, 1, hd), written at column `length` of this layer. One index_put_ on
-        # the whole buffer, not a write into the view kv[layer]: torch.compile turns a write
-        # into a view of its input into a copy of the whole buffer (every layer, every step:
-        # 3x slower than eager), while a write into the input itself stays in place.
+        # q (B, nh, T, hd); k, v: (B, n_kv_head, T, hd), written at the new columns of this
+        # layer. One index_put_ on the whole buffer, not a write into the view kv[layer]: the
+        # compiler turns a write into a view of its input into a copy of the whole buffer
+        # (every layer, every step: 3x slower than eager), while a write into the input
+        # itself stays in place.
         layer_index = torch.full((1, 1, 1, 1), layer, device=k.device)
-        self.kv.index_put_((layer_index, self.k_or_v, self.rows, self.heads, self.length),
-                           torch.stack([k, v]))  # (2, B, nh, 1, hd)
+        self.kv.index_put_((layer_index, self.k_or_v, self.rows, self.heads, self.columns),
+                           torch.stack([k, v]))  # (2, B, n_kv_head, T, hd)
         k_all, v_all = self.kv[layer, 0], self.kv[layer, 1]  # (B, n_kv_head, max_len, hd): every column
-        # Attention written out instead of SDPA: for one query, torch.compile fuses these
+        # Attention written out instead of SDPA: for a few queries, inductor fuses these
         # into its own loops, while SDPA's CPU kernel is a separate call costing more than its
         # arithmetic (a large share of a bundled step). Unwritten columns masked. With
         # grouped-query attention the query heads sharing a key/value head are its rows:
-        # q as (B, n_kv_head, group, hd), one matmul per stored head, nothing copied.
-        B, nh, _, hd = q.shape
-        q = q.view(B, k_all.size(1), nh // k_all.size(1), hd)                # (B, n_kv_head, group, hd)
-        scores = (q @ k_all.transpose(-2, -1)) * hd ** -0.5                  # (B, n_kv_head, group, max_len)
-        weights = scores.masked_fill(~mask, float("-inf")).float().softmax(-1).to(q.dtype)
-        return (weights @ v_all).view(B, nh, 1, hd)
+        # q as (B, n_kv_head, group x T, hd), one matmul per stored head, nothing copied.
+        B, nh, T, hd = q.shape
+        n_kv = k_all.size(1)
+        q = q.reshape(B, n_kv, nh // n_kv * T, hd)                     # (B, n_kv_head, group x T, hd)
+        scores = (q @ k_all.transpose(-2, -1)) * hd ** -0.5            # (B, n_kv_head, group x T, max_len)
+        scores = scores.view(B, n_kv, nh // n_kv, T, -1)               # (B, n_kv_head, group, T, max_len)
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask (B, 1, T, max_len)
+        weights = scores.float().softmax(-1).to(q.dtype).view(B, n_kv, nh // n_kv * T, -1)
+        return (weights @ v_all).view(B, nh, T, hd)
 
 
-def decode_step(model, token, kv, length, pad):
-    """Logits (B, V) for token (B, 1) at column `length` ((1,) LongTensor) of the cache
-    buffer kv; pad (B,): left-padding columns per row (zeros when there is none).
+def decode_step(model, tokens, kv, length, pad):
+    """Logits (B, T, V) for tokens (B, T) at columns length.. of the cache buffer kv (length:
+    (1,) LongTensor); pad (B,): left-padding columns per row (zeros when there is none).
 
     The cached model's forward (KVCacheGPT's or KVCacheLlama's), with its three
     cache-dependent parts written with tensors:"""
     max_len = kv.size(4)
-    # (1) positions: each row's column minus its padding, as a tensor (a table row for
+    new_columns = length + torch.arange(tokens.size(1), device=kv.device)  # (T,)
+    # (1) positions: each row's columns minus its padding, as a tensor (a table row for
     #     GPT-2, rotary angles for Llama: the model's embed_at)
-    positions = (length - pad)[:, None]                                   # (B, 1)
-    x, block_args = model.embed_at(token, positions)                      # (B, 1, C)
-    # (3) the mask: keys written so far (this step's included), none in a row's padding
+    positions = new_columns[None, :] - pad[:, None]                       # (B, T)
+    x, block_args = model.embed_at(tokens, positions)                     # (B, T, C)
+    # (3) the mask: for the token at column c, the keys up to c (its own included), none in
+    # a row's padding
     columns = torch.arange(max_len, device=kv.device)
-    visible = (columns <= length) & (columns >= pad[:, None])             # (B, max_len)
-    mask = visible[:, None, None, :]                                      # (B, 1, 1, max_len)
-    cache = StaticStep(kv, length)
+    visible = ((columns[None, None, :] <= new_columns[None, :, None])
+               & (columns[None, None, :] >= pad[:, None, None]))          # (B, T, max_len)
+    mask = visible[:, None]                                               # (B, 1, T, max_len)
+    cache = StaticStep(kv, new_columns)
     for layer, block in enumerate(model.blocks):
         # (2) the cache update, inside attention, as in the eager model
         x = block(x, **block_args, cache=cache, layer=layer, mask=mask)
-    return model.head(x)[:, -1]
+    return model.head(x)
 
 
-# dynamic=False: every step has the same shapes, and a static graph is the fastest one
-# inductor makes; fullgraph=True: a break in the graph would bring Python back (an error
-# instead); cpp_wrapper: the code that calls the graph's ~60 kernels in turn is C++ too,
-# not Python (a sixth faster on the bundled model here, for a longer first compile).
-# The tests swap in backend="eager" to check the graph logic without compiling C++.
-COMPILE_OPTIONS = dict(dynamic=False, fullgraph=True, options={"cpp_wrapper": True})
+class StepProgram(torch.nn.Module):
+    """One step as the compiled library holds it: decode_step, then, given sampling
+    settings, the draw of each row's next token inside the graph too, so that only token
+    ids come back (B,) and sampling's dozen small operations are compiled with the rest.
+    The settings are fixed per program (each is a graph of its own); the draw's noise comes
+    in as an input, filled from the caller's torch.Generator, so a seed still fixes the
+    text. Without settings (sampling=None) the step hands back its logits (B, T, V): what
+    speculative decoding's verification and its draft need."""
+
+    def __init__(self, model, sampling, vocab_limit):
+        super().__init__()
+        self.model, self.sampling, self.vocab_limit = model, sampling, vocab_limit
+
+    def forward(self, tokens, kv, length, pad, noise):
+        logits = decode_step(self.model, tokens, kv, length, pad)        # (B, T, V)
+        if self.sampling is None:
+            return logits
+        return sample_with_noise(logits[:, -1, :self.vocab_limit], noise, **self.sampling)[:, 0]
 
 
-def compiled_decode_step(model):
-    """decode_step compiled for this model, built once and kept on the model (torch.compile
-    caches the graph for the shapes it has seen: one batch size, one dtype)."""
-    if getattr(model, "_compiled_decode_step", None) is None:
-        model._compiled_decode_step = torch.compile(decode_step, **COMPILE_OPTIONS)
-    return model._compiled_decode_step
+def export_program(program, example_inputs):
+    """program traced by torch.export into one graph, every shape fixed by the example
+    inputs (their values are not used: tracing runs on stand-ins of the same shapes)."""
+    with warnings.catch_warnings():  # a deprecation notice inside torch, nothing of ours
+        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+        return torch.export.export(program, example_inputs, strict=False)
 
 
-def compile_for(model, cache):
-    """Compile the step for this cache's shapes before decoding, on a scratch copy of the
-    buffer (the real one is untouched); returns the seconds it took, which the loop reports
-    apart from the decode speed. cache: a kv_cache.KVCache in the model's dtype."""
+def build_program(program, example_inputs):
+    """program ahead of time: exported into one graph, which AOTInductor turns into a C++
+    shared library (inductor's generated kernels and the C++ that calls them in turn); a
+    function that runs it on a list of input tensors and returns the list of outputs.
+    Unlike torch.compile's result, no Python runs per call: no guards checking the
+    inputs, no wrapper.
+
+    The library keeps its own copy of the weights (quantized ones repacked for their
+    kernels): the model's memory once more while it lives. The package is a scratch file,
+    deleted once loaded."""
+    exported = export_program(program, example_inputs)
+    with tempfile.TemporaryDirectory(prefix="kvcache-step-") as folder, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+        path = torch._inductor.aoti_compile_and_package(exported, package_path=f"{folder}/step.pt2")
+        return torch._inductor.aoti_load_package(path).loader.boxed_run
+
+
+class CompiledStep:
+    """The step of one generation's shapes, compiled ahead of time: call decode() once per
+    step. Built by compile_for, kept on the model and reused by a later generation of the
+    same shapes and settings."""
+
+    def __init__(self, model, kv, tokens_per_step, sampling, vocab_limit):
+        batch_size, device = kv.size(2), kv.device
+        vocab = vocab_limit or model.config.vocab_size
+        # inputs of the graph, allocated once and refilled in place every step
+        self.length = torch.zeros(1, dtype=torch.long, device=device)
+        self.noise = torch.ones(batch_size, vocab if sampling else 1, device=device)
+        self.generator = None
+        self.draws = sampling is not None and sampling["temperature"] > 0
+        program = StepProgram(model, sampling, vocab_limit)
+        kv = torch.empty_like(kv)  # the real buffer's shape, for tracing (never written)
+        tokens = torch.zeros(batch_size, tokens_per_step, dtype=torch.long, device=device)
+        self.run = build_program(program, (tokens, kv, self.length, tokens[:, 0].contiguous(), self.noise))
+
+    def decode(self, tokens, cache):
+        """Feed tokens (B, T) at the cache's next columns: each row's next token (B,), or
+        the logits (B, T, V) for a program without sampling. The step writes its columns
+        into the cache's buffer in place, and the cache counts them."""
+        tokens = tokens.contiguous()  # the library was built for these strides
+        pad = cache.pad.contiguous() if cache.pad is not None else torch.zeros_like(tokens[:, 0])
+        self.length.fill_(cache.length)
+        if self.draws:  # Exp(1) noise for sample_with_noise's draw
+            self.noise.exponential_(generator=self.generator)
+        (out,) = self.run([tokens, cache.kv, self.length, pad, self.noise])
+        cache.advance(tokens.size(1))
+        return out
+
+
+def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None):
+    """The CompiledStep for this cache's shapes, tokens_per_step tokens per row and these
+    sampling settings (sample.py's temperature, top_k, top_p and generator; None: the step
+    returns logits), and the seconds building it took, which the loop reports apart from
+    the decode speed. The model keeps the last one it built, reused while shapes, settings
+    and weights stay the same (only the last: each holds a copy of the weights).
+    cache: a kv_cache.KVCache in the model's dtype."""
     if getattr(cache, "kv_dtype", None) != dtype_name(model.lm_head.weight.dtype):
         # the step writes raw keys and values of the model's dtype into the buffer
         raise ValueError("the compiled decode step needs the preallocated cache in the "
@@ -115,20 +203,18 @@ def compile_for(model, cache):
     # poisons attention (0 x NaN = NaN), and the buffer is torch.empty: any bits at all.
     # Zero what has not been written, once per generation.
     cache.kv[..., cache.length:, :].zero_()
+    generator = sampling and sampling["generator"]
+    settings = sampling and {k: sampling[k] for k in ("temperature", "top_k", "top_p")}
+    # the library holds the weights as they were: a weight written in place since (its
+    # version counter moved) or replaced (another tensor) means a new build
+    weights = tuple((t.data_ptr(), t._version) for t in itertools.chain(model.parameters(), model.buffers()))
+    key = (tuple(cache.kv.shape), cache.kv.dtype, str(cache.kv.device), tokens_per_step,
+           settings and tuple(settings.values()), vocab_limit, weights)
     t0 = time.perf_counter()
-    token = torch.zeros(cache.kv.size(2), 1, dtype=torch.long, device=cache.kv.device)
-    compiled_decode_step(model)(model, token, torch.empty_like(cache.kv),
-                                torch.tensor([0], device=token.device), token[:, 0])
-    if token.device.type == "cuda":
-        torch.cuda.synchronize(token.device)
-    return time.perf_counter() - t0
-
-
-def decode(model, tokens, cache):
-    """Logits (B, V) for tokens (B, 1) through the compiled step; the step writes its column
-    into the cache's buffer in place, and the cache counts it."""
-    pad = cache.pad if cache.pad is not None else torch.zeros_like(tokens[:, 0])
-    length = torch.tensor([cache.length], device=tokens.device)
-    logits = compiled_decode_step(model)(model, tokens, cache.kv, length, pad)
-    cache.advance(1)
-    return logits
+    built = getattr(model, "_compiled_step", None)
+    if built is None or built[0] != key:
+        model._compiled_step = None  # free the old one's weights before building
+        model._compiled_step = key, CompiledStep(model, cache.kv, tokens_per_step, settings, vocab_limit)
+    step = model._compiled_step[1]
+    step.generator = generator
+    return step, time.perf_counter() - t0

@@ -19,7 +19,14 @@ Its phases have names:
     evict       "sinks" (StreamingLLM): rows whose context is full forget one token, the
                 oldest after the first few (the sinks), and the rest move down a position
                 by a rotation of their cached keys: no recomputation (rotary models only)
+    speculate   (with speculate=K and a proposer) instead of decode_one: the newest token
+                and up to K proposed ones in one pass, the model's agreement kept, the
+                cache rolled back over the rest (generation/speculative.py)
 and between them sample.py picks each row's token from its logits.
+
+A step may give a row several tokens (speculation); they are handed out one position at a
+time, each yield holding the rows that have a token at that position, so a caller sees
+the same protocol either way.
 
 The model is either cached model of kv_cache.py (KVCacheGPT, KVCacheLlama): the loop calls
 model(tokens, cache) and model.new_cache(), and for the sinks policy model.move_keys().
@@ -48,9 +55,14 @@ class GenerationStats:
     reprefills: int = 0            # times rows were rebuilt past the context (Generation.reprefill)
     evictions: int = 0             # tokens each full row forgot past the context (Generation.evict)
     prefill_seconds: float = 0.0
-    compile_seconds: float = 0.0   # torch.compile of the decode step, timed apart from decoding
+    compile_seconds: float = 0.0   # building the compiled step, timed apart from decoding
     cache_bytes: int = 0           # the most the cache tensors held at once
     cache_positions: int = 0       # columns in the cache at the end
+    # speculative decoding (generation/speculative.py)
+    verify_passes: int = 0         # passes that checked proposals (counted in forward_passes too)
+    proposed: int = 0              # proposals checked, summed over rows
+    accepted: int = 0              # of those, the ones the model agreed with
+    draft_passes: int = 0          # forward passes of a draft model (not in forward_passes)
 
     def count_pass(self, positions):
         self.forward_passes += 1
@@ -77,21 +89,32 @@ class Generation:
     compile: decode through generation/compiled_step.py's static-shape step. stats: a
     GenerationStats to fill (one is made otherwise: .stats). context_policy: what happens
     when a row's context is full, "reprefill" or "sinks" (keeping the first `sinks`
-    tokens)."""
+    tokens). speculate=K with a proposer (generation/speculative.py: PromptLookup,
+    DraftModel): up to K proposed tokens per row are checked in each pass; the tokens are
+    the same in greedy decoding, and drawn from the same distribution when sampling."""
 
     def __init__(self, model, prompts, max_new_tokens, *, temperature=1.0, top_k=None,
                  top_p=None, generator=None, num_samples=1, vocab_limit=None, cache_kind=None,
-                 compile=False, stats=None, context_policy="reprefill", sinks=DEFAULT_SINKS):
+                 compile=False, stats=None, context_policy="reprefill", sinks=DEFAULT_SINKS,
+                 speculate=0, proposer=None):
         check_sampling_args(temperature, top_k, top_p)
         check_context_policy(model, context_policy, sinks, cache_kind)
+        if bool(speculate) != (proposer is not None):
+            raise ValueError("speculative decoding needs both speculate=K (K >= 1) and a proposer")
+        if speculate >= model.config.context_len:  # a step feeds the newest token and K proposals
+            raise ValueError(f"speculate={speculate}: K + 1 positions per step must fit in the "
+                             f"context of {model.config.context_len}")
         self.context_policy, self.sinks = context_policy, sinks
         self.model, self.prompts, self.max_new_tokens = model, prompts, max_new_tokens
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         self.num_samples, self.vocab_limit = num_samples, vocab_limit
         self.cache_kind, self.compile = cache_kind, compile
+        self.speculate, self.proposer = speculate, proposer
         self.stats = GenerationStats() if stats is None else stats
         self.finished = set()
         self.context_len = model.config.context_len
+        self.num_rows = (prompts.size(0) if torch.is_tensor(prompts) else len(prompts)) * num_samples
+        self.given = [0] * self.num_rows  # tokens handed out, per row
 
     def finish(self, row):
         """Row `row` is done: it gets no more tokens, and leaves the batch before the next
@@ -101,32 +124,43 @@ class Generation:
 
     @torch.inference_mode()
     def __iter__(self):
-        """Yield (rows, tokens) once per step until max_new_tokens or every row has
-        finished: rows, the row numbers still running; tokens (len(rows),), their next
-        tokens."""
+        """Yield (rows, tokens) once per position until max_new_tokens or every row has
+        finished: rows, the row numbers given a token; tokens (len(rows),), their tokens."""
         logits, cache, history = self.prefill()
-        if self.compile:
-            self.stats.compile_seconds = compiled_step.compile_for(self.model, cache)
+        if self.compile:  # with speculation, the step that checks K proposals is the one
+            # compiled, and it returns logits to check them with; otherwise it samples too
+            self.compiled, self.stats.compile_seconds = compiled_step.compile_for(
+                self.model, cache, tokens_per_step=self.speculate + 1,
+                sampling=None if self.proposer else self.sampling, vocab_limit=self.vocab_limit)
+        if self.proposer:  # it proposes among the ids the model samples from
+            self.proposer.start(self.row_prompts(), self.sampling,
+                                self.vocab_limit or self.model.config.vocab_size,
+                                history.device, self.compile, self.stats)
         active = list(range(history.size(0)))  # the row number of each row in the batch
+        tokens = self.choose(logits)[:, None]                              # (batch, 1)
+        counts = torch.ones_like(tokens[:, 0])  # row b got tokens[b, :counts[b]] this step
         try:
-            for step in range(self.max_new_tokens):
-                tokens = self.choose(logits)  # (batch,)
-                yield self.unfinished(active, tokens)
-                if step == self.max_new_tokens - 1:
-                    break  # the last token needs no forward pass after it
-                if self.finished:
-                    staying = [i for i, row in enumerate(active) if row not in self.finished]
-                    if not staying:
-                        return
-                    if len(staying) < len(active) and not self.compile:  # finished rows leave
-                        index = torch.tensor(staying, device=history.device)
-                        cache.select_rows(index)
-                        history, tokens = history[index], tokens[index]
-                        active = [active[i] for i in staying]
+            while True:
+                if self.proposer:
+                    self.proposer.accept(tokens, counts)
+                yield from self.hand_out(active, tokens, counts)
+                staying = [i for i, row in enumerate(active) if row not in self.finished]
+                if not staying:
+                    return  # the last token needs no forward pass after it
+                newest = tokens.gather(1, (counts - 1)[:, None])           # (batch, 1)
+                if len(staying) < len(active) and not self.compile:  # finished rows leave
+                    index = torch.tensor(staying, device=history.device)
+                    cache.select_rows(index)
+                    if self.proposer:
+                        self.proposer.select_rows(index)
+                    history, newest = history[index], newest[index]
+                    active = [active[i] for i in staying]
                 if cache.length == self.context_len:  # past the context: make room for one
                     (self.reprefill if self.context_policy == "reprefill" else self.evict)(cache, history)
-                history[:, cache.length] = tokens
-                logits = self.decode_one(tokens[:, None], cache)
+                if self.proposer:
+                    tokens, counts, history = self.speculate_step(newest, cache, history, active)
+                else:
+                    tokens, counts = self.plain_step(newest, cache, history)
         finally:  # also when the caller stops early (a stop string, end of text)
             self.stats.cache_bytes = max(self.stats.cache_bytes, cache.nbytes())
             self.stats.cache_positions = cache.length
@@ -137,13 +171,28 @@ class Generation:
         benchmarks/context_policy.py.)"""
         return sample(logits[:, :self.vocab_limit], **self.sampling)[:, 0]
 
-    def unfinished(self, active, tokens):
-        """(rows, tokens) of the rows in the batch that have not finished (with compile,
-        finished rows stay in the batch: their tokens are not handed out)."""
-        if not self.finished:
-            return list(active), tokens
-        keep = [i for i, row in enumerate(active) if row not in self.finished]
-        return [active[i] for i in keep], tokens[keep]
+    def hand_out(self, active, tokens, counts):
+        """Yield the step's tokens one position at a time: (rows, tokens) of the rows that
+        have a token there and have not finished (with compile, finished rows stay in the
+        batch: their tokens are not handed out). A row that reaches max_new_tokens finishes."""
+        # one token per row (plain decoding): no need to wait for counts to reach the CPU
+        counts = counts.tolist() if tokens.size(1) > 1 else [1] * len(active)
+        for position in range(tokens.size(1)):
+            keep = [i for i, row in enumerate(active)
+                    if row not in self.finished and counts[i] > position]
+            if not keep:
+                return
+            rows = [active[i] for i in keep]
+            yield rows, (tokens[:, position] if len(keep) == len(active) else tokens[keep, position])
+            for row in rows:
+                self.given[row] += 1
+                if self.given[row] == self.max_new_tokens:
+                    self.finished.add(row)
+
+    def row_prompts(self):
+        """Every row's prompt, as token-id lists (prompt-major, num_samples each)."""
+        prompts = self.prompts.tolist() if torch.is_tensor(self.prompts) else self.prompts
+        return [list(p) for p in prompts for _ in range(self.num_samples)]
 
     # ------------------------------------------------------------------------ the phases
 
@@ -174,10 +223,82 @@ class Generation:
 
     def decode_one(self, tokens, cache):
         """Logits (R, V) after feeding tokens (R, 1): one position per row."""
-        if not self.compile:
-            return self.run_pass(tokens, cache)
-        self.stats.count_pass(1)
-        return compiled_step.decode(self.model, tokens, cache)
+        return self.decode(tokens, cache)[:, -1]
+
+    def plain_step(self, newest, cache, history):
+        """Feed each row's newest token (R, 1), sample the next: (tokens (R, 1), counts (R,))."""
+        history[:, cache.length] = newest[:, 0]
+        if self.compile and not self.proposer:  # the compiled step samples too
+            self.stats.count_pass(1)
+            tokens = self.compiled.decode(newest, cache)[:, None]
+        else:
+            tokens = self.choose(self.decode_one(newest, cache))[:, None]
+        return tokens, torch.ones_like(tokens[:, 0])
+
+    def decode(self, tokens, cache):
+        """Logits (R, T, V) at every position of tokens (R, T) fed through the cache: one
+        token (decode_one), or the newest token and its proposals (speculate_step). Through
+        the compiled step when speculating and T is the width it was compiled for (K + 1);
+        eager otherwise (plain decoding's compiled step samples: plain_step)."""
+        self.stats.count_pass(tokens.size(1))
+        if self.compile and self.proposer and tokens.size(1) == self.speculate + 1:
+            return self.compiled.decode(tokens, cache)
+        return self.model(tokens, cache)[0]
+
+    def speculate_step(self, newest, cache, history, active):
+        """Feed each row's newest token (R, 1) and up to K proposals after it in one pass,
+        keep what the model agrees with (speculative.verify), roll the cache back over the
+        rest. Returns (tokens (R, k + 1), counts (R,), history): row b's new tokens are
+        tokens[b, :counts[b]]; history is moved with the cache.
+
+        k is at most K, and as many as fit before the context ends: a proposal past it would
+        be computed without the reprefill that plain decoding does there, and the text would
+        change. Rows moved right by rollbacks leave padding columns that every row has;
+        those are dropped first when they are what stands in the way."""
+        k = self.room_for_proposals(cache, history, active)
+        proposals = self.proposer.propose(k) if k else None
+        if proposals is not None and not (self.compile and k == self.speculate):
+            k = int(proposals.counts.max())  # no column for proposals no row has
+            proposals.trim(k)
+        if not k:  # nothing to check
+            return *self.plain_step(newest, cache, history), history
+        fed = torch.cat([newest, proposals.tokens], dim=1)              # (R, 1 + k)
+        history[:, cache.length:cache.length + k + 1] = fed
+        logits = self.decode(fed, cache)                                # (R, 1 + k, V)
+        tokens, counts = self.proposer.verify(logits[..., :self.vocab_limit], proposals)
+        # none past max_new_tokens; rows that finished (kept by compile) count for nothing
+        remaining = torch.tensor([0 if row in self.finished else self.max_new_tokens - self.given[row]
+                                  for row in active], device=counts.device)
+        counts = torch.minimum(counts, remaining.clamp(min=1))
+        live = remaining > 0
+        self.stats.verify_passes += 1
+        self.stats.proposed += int(proposals.counts.minimum(remaining - 1)[live].sum())
+        self.stats.accepted += int((counts - 1)[live].sum())
+        # keep the newest token and the accepted proposals: the last k + 1 - counts columns go
+        pad = cache.pad if cache.pad is not None else torch.zeros_like(counts)
+        cache.rollback(cache.length - pad - (k + 1 - counts))
+        shift = (cache.pad if cache.pad is not None else torch.zeros_like(pad)) - pad
+        if shift.any():  # history is by column: it moves right with each row's cache
+            columns = torch.arange(cache.length, device=shift.device) - shift[:, None]
+            history[:, :cache.length] = history.gather(1, columns.clamp(min=0))
+        return tokens, counts, history
+
+    def room_for_proposals(self, cache, history, active):
+        """How many proposals the next step may check: K, or fewer where the context ends
+        (a step feeds k + 1 columns and the cache has context_len) or where no row needs
+        that many more tokens. Past the context the sinks policy frees one column per step
+        (evict), so there a step checks none: freeing k + 1 would show the first token fed
+        a window that plain decoding never shows it, and the text would change."""
+        needed = max(self.max_new_tokens - self.given[row] for row in active
+                     if row not in self.finished) - 1
+        # compiled: always K, the one shape compiled (filler costs nothing in a static step)
+        k = self.speculate if self.compile else min(self.speculate, needed)
+        if cache.pad is not None and cache.length + k + 1 > self.context_len:
+            common = int(cache.pad.min())  # padding columns every row has: drop them
+            if common:
+                cache.drop_oldest(common)
+                history[:, :cache.length] = history[:, common:common + cache.length].clone()
+        return max(0, min(k, self.context_len - 1 - cache.length))
 
     def reprefill(self, cache, history):
         """The cache is full (context_len columns): make room for one more.
@@ -204,12 +325,12 @@ class Generation:
         shift = cache.length - new_length                 # >= 1: a full row drops half
         history[:, :new_length] = history[:, shift:cache.length].clone()
         cache.drop_oldest(shift, pad=new_length - context)
-        if keep > 1:  # with keep == 1 a full row keeps no old token: nothing to recompute
-            rows = full.nonzero()[:, 0]
+        rows = full.nonzero()[:, 0]
+        if keep > 1 and rows.numel():  # with keep == 1 a full row keeps no old token
             fresh = cache.empty_like(rows.numel())
             self.run_pass(history[rows, new_length - (keep - 1):new_length], fresh)
             cache.write_rows(rows, fresh, new_length - (keep - 1))
-        self.stats.reprefills += 1
+        self.stats.reprefills += bool(rows.numel())  # else only padding was dropped
 
     def evict(self, cache, history):
         """The cache is full: make room for one more, the sinks policy's way (StreamingLLM).
@@ -255,8 +376,16 @@ def check_context_policy(model, policy, sinks, cache_kind):
 def generate_tokens(model, prompts, max_new_tokens, **options):
     """The new tokens of every row, (R, max_new_tokens): Generation run to the end, no row
     finishing early (end of text is a token like any other here). options: Generation's."""
-    steps = [tokens for _, tokens in Generation(model, prompts, max_new_tokens, **options)]
-    return torch.stack(steps, dim=1)
+    generation = Generation(model, prompts, max_new_tokens, **options)
+    out = given = None
+    for rows, tokens in generation:  # with speculation, rows move at their own pace
+        if out is None:
+            out = tokens.new_empty(generation.num_rows, max_new_tokens)
+            given = torch.zeros(generation.num_rows, dtype=torch.long, device=tokens.device)
+        rows = torch.tensor(rows, device=tokens.device)
+        out[rows, given[rows]] = tokens
+        given[rows] += 1
+    return out
 
 
 def left_pad(prompts, context_len, device):

@@ -1,16 +1,19 @@
 """
 The command line the commands share: the model flags (--ckpt or --hf, --device, --dtype,
---seed, --quantize), argument types, and loading the model those flags name.
+--seed, --quantize), the speculative-decoding flags (--speculate with --prompt-lookup or
+--draft), argument types, and loading the models those flags name.
 
 Errors a user can fix are UserError (plumbing/script.py): run() prints them as one line.
 """
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
 from base_model import store_linears_column_major
+from generation.speculative import DraftModel, PromptLookup
 from kv_quant import FLOAT_DTYPES
 from plumbing.checkpoint import load_model
 from plumbing.hf import load_hf_model
@@ -126,3 +129,105 @@ def quantize_from_args(model, args):
         except ValueError as e:
             raise UserError(f"--quantize {args.quantize}: {e}; try --quantize int8") from None
     return model
+
+
+# ---------------------------------------------------------------------------- speculation
+
+def add_speculation_args(parser):
+    """--speculate K and its proposer (generation/speculative.py)."""
+    parser.add_argument("--speculate", type=positive_int, metavar="K", help="speculative "
+                        "decoding: propose K tokens per step and check them in one pass of the "
+                        "model (greedy text unchanged, sampling from the same distribution); "
+                        "with --prompt-lookup or --draft")
+    proposer = parser.add_mutually_exclusive_group()
+    proposer.add_argument("--prompt-lookup", type=ngram_size, metavar="N", help="propose what "
+                          "followed the last up-to-N tokens (N: 1..16) where they occurred before, "
+                          "in the prompt or the text so far")
+    proposer.add_argument("--draft", metavar="CKPT_OR_DIR", help="propose with a smaller model "
+                          "that has the same tokenizer: a checkpoint file or a Hugging Face "
+                          "directory (bundled: checkpoints/shakespeare-draft/ckpt.pt); it loads "
+                          "with the same --device, --dtype and --quantize")
+
+
+def ngram_size(text):
+    value = positive_int(text)
+    if value > PromptLookup.MAX_NGRAM:
+        raise argparse.ArgumentTypeError(f"must be <= {PromptLookup.MAX_NGRAM} (the lookup's index "
+                                         f"holds every n-gram up to N of the text), got {value}")
+    return value
+
+
+def check_speculation_args(parser, args):
+    """The flags must come together: one line (exit 2) otherwise."""
+    has_proposer = args.prompt_lookup is not None or args.draft is not None
+    if args.speculate and not has_proposer:
+        parser.error("--speculate K needs a proposer: --prompt-lookup N or --draft CKPT_OR_DIR")
+    if has_proposer and not args.speculate:
+        flag = "--prompt-lookup" if args.prompt_lookup is not None else "--draft"
+        parser.error(f"{flag}: also give --speculate K, how many tokens to propose per step")
+
+
+def proposer_from_args(classes, args, model, tokenizer, device):
+    """The proposer the flags name for `model`, or None without --speculate; a draft is
+    built by classes[its family] (kv_cache.CACHED_MODELS), whatever the model's family."""
+    if not args.speculate:
+        return None
+    check_speculate(args.speculate, model)
+    if args.prompt_lookup is not None:
+        return PromptLookup(args.prompt_lookup)
+    return DraftModel(load_draft(classes, args.draft, tokenizer, device, args, flag="--draft"))
+
+
+def check_speculate(k, model):
+    """--speculate K against the model's context, before anything is loaded or run."""
+    context_len = model.config.context_len
+    if k >= context_len:  # the step feeds the newest token and K proposals
+        raise UserError(f"--speculate {k}: a step checks K proposals after the newest token, "
+                        f"K + 1 positions in a context of {context_len}; use at most {context_len - 1}")
+
+
+def load_draft(classes, path, tokenizer, device, args, flag="--draft", report=None):
+    """A draft model from a checkpoint file or a Hugging Face directory, built by
+    classes[its own family] (kv_cache.CACHED_MODELS: a GPT-2 draft for a Llama model is
+    fine, and the other way round; only the tokenizer must be the same), loaded the
+    way the model was (args: its --dtype, --quantize, --group-size; the decode-speed layout),
+    on `device`. Refused in one line naming `flag` when it cannot be loaded or its tokenizer
+    is not the model's: its proposals are token ids. report(line) receives the "loaded" line
+    (default: stderr, as "loaded draft ...")."""
+    if report is None:
+        def report(line):
+            print(line.replace("loaded ", "loaded draft ", 1), file=sys.stderr)
+    source = {"hf": path} if path and Path(path).is_dir() else {"ckpt": path}
+    try:
+        draft, draft_tokenizer = load_source(classes, **source, device=device,
+                                             dtype=pick_dtype(args.dtype, device), report=report)
+        difference = tokenizer_difference(draft_tokenizer, tokenizer)
+        if difference:
+            raise UserError(f"{path}: its tokenizer ({draft_tokenizer.name}) is not the model's "
+                            f"({tokenizer.name}): {difference}; a draft proposes token ids, so "
+                            "it needs the model's tokenizer")
+        return prepare_for_generation(draft, args)
+    except UserError as e:  # which of the two paths was wrong: say it is the draft
+        raise UserError(f"{flag}: {e}") from None
+
+
+def tokenizer_difference(draft, model):
+    """Why two tokenizers do not give every id the same bytes (all a draft needs to share
+    with the model), or None when they do."""
+    if draft.n_vocab != model.n_vocab:
+        return f"a vocabulary of {draft.n_vocab} tokens, the model's {model.n_vocab}"
+    if draft.eot_token != model.eot_token:
+        return f"end of text is token {draft.eot_token}, the model's {model.eot_token}"
+    for i in range(draft.n_vocab):
+        theirs, ours = token_bytes(draft, i), token_bytes(model, i)
+        if theirs != ours:
+            return f"token {i} is {theirs!r}, the model's {ours!r}"
+    return None
+
+
+def token_bytes(tokenizer, i):
+    """The bytes of token i, or None where the vocabulary has no token i (ids may have gaps)."""
+    try:
+        return tokenizer.decode_single_token_bytes(i)
+    except KeyError:
+        return None

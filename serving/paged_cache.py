@@ -139,6 +139,18 @@ class BlockPool:
             if self.ref_count[block] == 0:
                 self.free[block] = None
 
+    def forget_contents(self, block):
+        """The sequence holding block is about to write over part of it (a rollback cut into
+        it): it leaves the prefix index, whose hash no longer says what it holds. False, and
+        nothing changed, when other sequences hold it too: they still need its contents."""
+        if self.ref_count[block] > 1:
+            return False
+        old = self.block_hash[block]
+        if old is not None and self.cached.get(old) == block:
+            del self.cached[old]
+        self.block_hash[block] = None
+        return True
+
     def forget_prefixes(self):
         """Drop the prefix index (after a failed step, whose blocks may hold garbage)."""
         self.cached.clear()

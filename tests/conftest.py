@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 from base_model import GPTConfig  # noqa: E402
 from plumbing.checkpoint import save_checkpoint  # noqa: E402
+from generation import compiled_step  # noqa: E402
 from kv_cache import KVCacheGPT  # noqa: E402
 from plumbing.validation import encoding_from_spec  # noqa: E402
 
@@ -123,3 +124,17 @@ def warnings_as_at_start_up():
 def print_warning(message, category, filename, lineno, file=None, line=None):
     """warnings.showwarning as Python's own, on the sys.stderr of the moment (the run's)."""
     sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """build_program without the C++: the exported graph, run by Python. Returns the list of
+    the programs built, to count them."""
+    built = []
+
+    def run_exported(program, example_inputs):
+        module = compiled_step.export_program(program, example_inputs).module()
+        built.append(program)
+        return lambda inputs: [module(*inputs)]
+    monkeypatch.setattr(compiled_step, "build_program", run_exported)
+    return built

@@ -18,7 +18,8 @@ def test_quick_benchmark_writes_its_report(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmark.py"), "--quick", "--no-peer", "--lengths", "4,8",
-         "--demo-tokens", "8", "--naive-check", "8", "--json", str(out)],
+         "--demo-tokens", "8", "--naive-check", "8", "--spec-prompts", "1", "--spec-tokens", "8",
+         "--spec-ks", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "## Cost vs generated length" in proc.stdout and "skipped (--no-peer)" in proc.stdout
@@ -44,6 +45,11 @@ def test_quick_benchmark_writes_its_report(tmp_path):
     kernels = report["kernels"]["variants"]
     assert all(v["ms"] > 0 for v in kernels.values())
     assert "int8, fp32 activations" in kernels and "int4 groups of 128, bf16 activations" in kernels
+    # speculative decoding on the bundled model and its draft (the peers: the test below)
+    spec = report["speculative"]
+    assert set(spec["prompt_lookup"]["rows"]) == {"ours plain", "ours lookup K=8 N=2"}
+    assert set(spec["draft"]["rows"]) == {"ours plain", "ours draft K=2"}
+    assert "## Speculative decoding: a draft model" in proc.stdout
 
 
 def test_bad_lengths_exit_2():
@@ -135,3 +141,44 @@ def test_llama_speed_table_on_a_tiny_shape():
         assert set(r["pairs"]) == {"ours fp32 eager / llama.cpp f32", "ours int8 / llama.cpp q8_0",
                                    "ours int4 / llama.cpp q4_0"}
         assert rows["llama.cpp f32"]["greedy_leading_same"] == 4
+
+
+def test_speculative_section_beside_its_peers():
+    """The speculative-decoding section on tiny models, with the peers that are installed
+    (CI installs them all): every contestant's row; the greedy tokens of each system, with
+    and without speculation, equal to ours plain (identical weights: speculation must not
+    change greedy text, ours or theirs); the cost model's figures. No speed is checked."""
+    from base_model import GPTConfig
+    from benchmarks import speculative as spec
+    from benchmarks.peers import llama_cpp_missing
+    from conftest import tiny_model
+    model = tiny_model(TINY_CONFIGS[0], seed=3)
+    draft = tiny_model(GPTConfig(context_len=64, vocab_size=260, n_layer=1, n_head=2, n_embd=16), seed=4)
+    prompts, n = [[7, 8, 9, 10] * 4, list(range(40, 56))], 12
+    expected = {"ours plain", "ours lookup K=4 N=2"}
+    try:
+        import transformers  # noqa: F401
+        expected |= {"transformers plain", "transformers lookup 10"}
+    except ImportError:
+        pass
+    if llama_cpp_missing() is None:
+        expected |= {"llama.cpp plain", "llama.cpp lookup 10"}
+    lookup = spec.prompt_lookup_section(model, prompts, n, 1, k=4, ngram=2)
+    assert set(lookup["rows"]) == expected
+    for name, row in lookup["rows"].items():
+        assert row["same_tokens"] == row["of_tokens"] == n * len(prompts), name
+        assert row["speedup_over_own_plain"] > 0
+    assert lookup["rows"]["ours lookup K=4 N=2"]["accepted"] > 0  # the repeating prompt
+    drafted = spec.draft_section(model, draft, prompts, n, 1, [1, 3])
+    rows = drafted["rows"]
+    assert {"ours plain", "ours draft K=1", "ours draft K=3"} <= set(rows)
+    if "transformers plain" in expected:
+        assert {"transformers assisted K=1", "transformers assisted K=3"} <= set(rows)
+    for name, row in rows.items():
+        assert row["same_tokens"] == row["of_tokens"], name
+    times = drafted["step_ms"]
+    assert times["model_ms"] > 0 and times["draft_ms"] > 0 and set(times["verify_ms"]) == {1, 3}
+    for k in (1, 3):
+        row = rows[f"ours draft K={k}"]
+        assert 1 <= row["tokens_per_verification"] <= k + 1 and 0 <= row["acceptance_from_E"] <= 1
+        assert row["predicted_speedup"] > 0

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from plumbing.checkpoint import ROOT
+from plumbing.checkpoint import BUNDLED, ROOT
 from conftest import TINY_CONFIGS, byte_tokenizer_spec, run_script, tiny_model
 
 
@@ -32,12 +32,19 @@ def files(tmp_path_factory):
     state = tiny_model(TINY_CONFIGS[0]).state_dict()
     config = vars(TINY_CONFIGS[0]).copy()
     nan = dict(state, **{"transformer.ln_f.weight": torch.full((32,), float("nan"))})
+    swapped = byte_tokenizer_spec()["mergeable_ranks"]
+    swapped[97], swapped[98] = swapped[98], swapped[97]  # token 97 is "b", 98 is "a"
     for name, obj in {"tiny": {"model": state, "config": config, "tokenizer": byte_tokenizer_spec()},
                       "nan": {"model": nan, "config": config, "tokenizer": byte_tokenizer_spec()},
                       "heads0": {"model": state, "config": config | {"n_head": 0}},
                       "context1e6": {"model": state, "config": config | {"context_len": 10 ** 6}},
                       "no_eot": {"model": state, "config": config,
-                                 "tokenizer": byte_tokenizer_spec() | {"special_tokens": {}}}}.items():
+                                 "tokenizer": byte_tokenizer_spec() | {"special_tokens": {}}},
+                      # drafts for tiny.pt that do not share its tokenizer
+                      "more_tokens": {"model": state, "config": config, "tokenizer": byte_tokenizer_spec()
+                                      | {"special_tokens": {"<|endoftext|>": 256, "<|pad|>": 257}}},
+                      "swapped": {"model": state, "config": config,
+                                  "tokenizer": byte_tokenizer_spec() | {"mergeable_ranks": swapped}}}.items():
         torch.save(obj, d / f"{name}.pt")
     os.mkfifo(d / "fifo.pt")  # opening it would wait for a writer forever
     return d
@@ -75,6 +82,32 @@ CASES = [  # (script, args, what the error line must mention)
     ("generate.py", ["--prompts-file", "{d}/empty.txt"], "no prompts"),
     ("generate.py", ["--prompts-file", "{d}/missing.txt"], "cannot read"),
     ("generate.py", ["--prompt", "a", "--prompts-file", "{d}/empty.txt"], "not allowed with"),
+    # speculative decoding (tests/test_speculative.py has the rest)
+    ("generate.py", ["--speculate", "4"], "needs a proposer"),
+    ("generate.py", ["--speculate", "0", "--prompt-lookup", "2"], "--speculate"),
+    ("generate.py", ["--prompt-lookup", "2"], "also give --speculate"),
+    ("generate.py", ["--draft", "{d}/tiny.pt"], "also give --speculate"),
+    ("generate.py", ["--speculate", "2", "--prompt-lookup", "0"], "--prompt-lookup"),
+    ("generate.py", ["--speculate", "2", "--prompt-lookup", "17"], "must be <= 16"),
+    ("generate.py", ["--ckpt", "{d}/tiny.pt", "--speculate", "64", "--prompt-lookup", "2"],
+     "use at most 63"),
+    ("generate.py", ["--speculate", "2", "--prompt-lookup", "2", "--draft", "{d}/tiny.pt"], "not allowed with"),
+    ("generate.py", ["--speculate", "2", "--prompt-lookup", "2", "--no-cache"], "--no-cache"),
+    ("generate.py", ["--speculate", "2", "--prompt-lookup", "2", "--score", "{d}/empty.txt"],
+     "--speculate applies to generating; --score"),
+    ("generate.py", ["--draft", "{d}/tiny.pt", "--score", "{d}/empty.txt"], "--draft applies to generating"),
+    ("generate.py", ["--speculate", "2", "--draft", "{d}/missing.pt"], "--draft: {d}/missing.pt: no such file"),
+    ("generate.py", ["--speculate", "2", "--draft", ""], "--draft: empty path"),
+    ("generate.py", ["--speculate", "2", "--draft", "{d}"], "--draft: {d}: no config.json"),
+    ("generate.py", ["--speculate", "2", "--draft", "{d}/notes.txt"], "not a readable PyTorch checkpoint"),
+    ("generate.py", ["--ckpt", "{d}/tiny.pt", "--speculate", "2", "--draft", str(BUNDLED)],
+     "a vocabulary of 4096 tokens, the model's 257"),
+    ("generate.py", ["--ckpt", "{d}/tiny.pt", "--speculate", "2", "--draft", "{d}/more_tokens.pt"],
+     "a vocabulary of 258 tokens, the model's 257"),
+    ("generate.py", ["--ckpt", "{d}/tiny.pt", "--speculate", "2", "--draft", "{d}/swapped.pt"],
+     "token 97 is b'b', the model's b'a'"),
+    ("kv_cache.py", ["--draft", "{d}/tiny.pt"], "is not the model's"),
+    ("kv_cache.py", ["--ckpt", "{d}/tiny.pt", "--speculate", "64"], "use at most 63"),
     ("kv_cache.py", ["--tokens", "0"], "--tokens"),
     ("kv_cache.py", ["--ckpt", "{d}/missing.pt"], "no such file"),
     ("kv_cache.py", ["--device", "tpu"], "--device"),
@@ -98,6 +131,10 @@ CASES = [  # (script, args, what the error line must mention)
     ("benchmark.py", ["--quick", "--prompt-tokens", "5000"], "--prompt-tokens"),
     ("benchmark.py", ["--quick", "--demo-tokens", "1"], "--demo-tokens"),
     ("benchmark.py", ["--quick", "--naive-check", "-1"], "--naive-check"),
+    ("benchmark.py", ["--quick", "--spec-ks", "2,300"], "do not fit"),
+    ("benchmark.py", ["--quick", "--spec-lookup-ngram", "17"], "must be <= 16"),
+    ("benchmark.py", ["--quick", "--spec-text", "{d}/missing.txt"], "cannot read"),
+    ("benchmark.py", ["--quick", "--spec-draft", "{d}/tiny.pt"], "is not the model's"),
     ("benchmark.py", ["--quick", "--json", "{d}/good.pt"], "not written by kvcache-gpt"),
     ("benchmark.py", ["--quick", "--json", ""], "empty path"),
     ("benchmark.py", ["--quick", "--json", "{d}/good.pt/out.json"], "is a file, not a folder"),
@@ -156,7 +193,7 @@ def test_bad_input_exits_2_with_one_line(files, script, args, mention):
     lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("loaded ")]
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert mention in lines[0]
+    assert mention.replace("{d}", str(files)) in lines[0]
     assert "code ran at load time" not in proc.stdout
     assert {p.name: p.read_bytes() for p in files.iterdir() if p.is_file()} == before  # nothing lost
     assert not (files / "export").exists()  # no half-written export left behind
