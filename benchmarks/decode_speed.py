@@ -7,8 +7,8 @@ by memory bandwidth (the floor: bytes of weights per token / the bandwidth of a 
 of them) and, on a small model, by the overhead of running the step at all. The forms of
 ours attack one each: compiling the step (generation/compiled_step.py) removes Python and dispatch
 overhead; bf16, int8 and int4 weights (weight_quant.py) cut the bytes. llama.cpp, hand-written
-C++ kernels with no Python between steps, is the yardstick, in f32 (like for like), f16
-and q8_0 (its own 8-bit format).
+C++ kernels with no Python between steps, is the yardstick, in f32 (like for like), f16,
+q8_0 and q4_0 (its own 8- and 4-bit formats, beside our int8 and int4).
 
 How it is fair: every contestant starts from the same fp32 weights (ours on its own copy;
 llama.cpp's files exported from them, whatever --dtype/--quantize loaded), gets the same
@@ -39,6 +39,7 @@ OURS = {  # name: (the model's dtype, weight-only quantization, compiled decode 
     "ours int8": (torch.float32, "int8", False),    # --quantize int8
     "ours int8 compiled": (torch.float32, "int8", True),  # --quantize int8 --compile
     "ours int4": (torch.float32, "int4", False),    # --quantize int4 [--group-size]
+    "ours int4 compiled": (torch.float32, "int4", True),  # --quantize int4 --compile
 }
 REFERENCE = "ours fp32 eager"  # greedy agreement is counted against its tokens
 BASELINE = "llama.cpp f32"     # the ratio column divides by its tokens/s

@@ -26,7 +26,7 @@ from plumbing.outputs import signals_raise, write_failure
 from plumbing.script import UserError
 
 PROMPT_TOKENS = 16
-LLAMA_OUTTYPES = ("f32", "f16", "q8_0")  # f32 is the like-for-like one; the others for reference
+LLAMA_OUTTYPES = ("f32", "f16", "q8_0", "q4_0")  # f32 is the like-for-like one; the others for reference
 INSTALL_LLAMA_CPP = ("pip install -r requirements-llama.txt (llama-cpp-python builds llama.cpp "
                      "from source: about 12 minutes on 2 cores)")
 

@@ -42,7 +42,7 @@ from base_model import GPTConfig  # noqa: E402
 from benchmarks.serving import run_url  # noqa: E402
 from benchmarks.timing import spread  # noqa: E402
 from export_gguf import export  # noqa: E402
-from kv_cache import KVCacheGPT  # noqa: E402
+from kv_cache import CACHED_MODELS, KVCacheGPT  # noqa: E402
 from plumbing.checkpoint import BUNDLED, ROOT, load_model, save_checkpoint  # noqa: E402
 from plumbing.cli import ArgumentParser, positive_int  # noqa: E402
 from plumbing.outputs import check_output_path, json_text, write_atomically  # noqa: E402
@@ -130,10 +130,10 @@ def model_checkpoint(args, folder):
     --ckpt), or a random model of --shape saved with the bundled tokenizer (its extra
     embedding rows are padding no prompt uses)."""
     if not args.shape:
-        model, tokenizer = load_model(KVCacheGPT, args.ckpt, report=lambda line: None)
+        model, tokenizer = load_model(CACHED_MODELS, args.ckpt, report=lambda line: None)
         name = "bundled model" if args.ckpt is None else Path(args.ckpt).name
         return args.ckpt or BUNDLED, name, model.config.context_len, tokenizer.n_vocab
-    _, tokenizer = load_model(KVCacheGPT, BUNDLED, report=lambda line: None)
+    _, tokenizer = load_model(CACHED_MODELS, BUNDLED, report=lambda line: None)
     spec = torch.load(BUNDLED, weights_only=True)["tokenizer"]
     torch.manual_seed(0)
     path = Path(folder) / f"{args.shape}.pt"

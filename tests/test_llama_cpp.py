@@ -120,12 +120,13 @@ def test_lossy_files_stay_close(bundled, outtype, worst, agree):
 
 def test_benchmark_decode_speed(bundled):
     """benchmark.py's decode-speed table on the bundled model, with llama.cpp's rows:
-    llama.cpp f32's greedy tokens are ours (q8_0 rounds the weights: fewer may be)."""
+    llama.cpp f32's greedy tokens are ours (q8_0 and q4_0 round the weights: fewer may be)."""
     ours, _, _ = bundled
     floors = {"bundled": bandwidth_floor(ours, reps=1)}
     r = decode_speed({"bundled": ours}, 40, 1, floors, compile_note="skipped", quantize=False)
     rows = r["models"][0]["rows"]
-    assert list(rows) == ["ours fp32 eager", "ours bf16", "llama.cpp f32", "llama.cpp f16", "llama.cpp q8_0"]
+    assert list(rows) == ["ours fp32 eager", "ours bf16", "llama.cpp f32", "llama.cpp f16",
+                          "llama.cpp q8_0", "llama.cpp q4_0"]
     assert rows["llama.cpp f32"]["greedy_leading_same"] == r["models"][0]["tokens"] == 40
     # the same weights, so the same bytes per step in f32; f16 half of them
     assert rows["llama.cpp f32"]["weight_bytes"] == rows["ours fp32 eager"]["weight_bytes"]
