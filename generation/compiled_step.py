@@ -166,20 +166,21 @@ class CompiledStep:
         vocab = vocab_limit or model.config.vocab_size
         # inputs of the graph, allocated once and refilled in place every step
         self.length = torch.zeros(1, dtype=torch.long, device=device)
+        self.no_pad = torch.zeros(batch_size, dtype=torch.long, device=device)  # rows unpadded
         self.noise = torch.ones(batch_size, vocab if sampling else 1, device=device)
         self.generator = None
         self.draws = sampling is not None and sampling["temperature"] > 0
         program = StepProgram(model, sampling, vocab_limit)
         kv = torch.empty_like(kv)  # the real buffer's shape, for tracing (never written)
         tokens = torch.zeros(batch_size, tokens_per_step, dtype=torch.long, device=device)
-        self.run = build_program(program, (tokens, kv, self.length, tokens[:, 0].contiguous(), self.noise))
+        self.run = build_program(program, (tokens, kv, self.length, self.no_pad, self.noise))
 
     def decode(self, tokens, cache):
         """Feed tokens (B, T) at the cache's next columns: each row's next token (B,), or
         the logits (B, T, V) for a program without sampling. The step writes its columns
         into the cache's buffer in place, and the cache counts them."""
         tokens = tokens.contiguous()  # the library was built for these strides
-        pad = cache.pad.contiguous() if cache.pad is not None else torch.zeros_like(tokens[:, 0])
+        pad = cache.pad.contiguous() if cache.pad is not None else self.no_pad
         self.length.fill_(cache.length)
         if self.draws:  # Exp(1) noise for sample_with_noise's draw
             self.noise.exponential_(generator=self.generator)
