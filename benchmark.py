@@ -32,22 +32,18 @@ from benchmarks.cache_cost import (SHAPES, bandwidth_floor, cost_curves, decode_
 from benchmarks.context_policy import HELDOUT, context_policies, print_context_policies  # noqa: E402
 from benchmarks.decode_speed import REFERENCE, decode_speed  # noqa: E402
 from benchmarks.kv_dtypes import kv_dtype_latency, quantized_peer  # noqa: E402
-from benchmarks.llama_speed import llama_speed, print_llama_speed  # noqa: E402
+from benchmarks.llama_speed import llama_speed  # noqa: E402
 from benchmarks.peers import llama_cpp_missing, transformers_table  # noqa: E402
-from benchmarks.report import plot, print_report  # noqa: E402
+from benchmarks.report import plot, print_decode_speed, print_report  # noqa: E402
 from benchmarks import speculative  # noqa: E402
 from benchmarks.weight_formats import kernel_timings  # noqa: E402
 from kv_cache import CACHED_MODELS  # noqa: E402
 from plumbing.checkpoint import ROOT  # noqa: E402
-from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
+from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int, positive_int_list  # noqa: E402
 from plumbing.outputs import check_output_path, import_pyplot, json_text, write_atomically  # noqa: E402
 from weight_quant import INT4_GROUP_SIZE  # noqa: E402
 
 NO_PEER = "skipped (--no-peer)"
-
-
-def int_list(text):
-    return sorted({positive_int(x) for x in text.split(",")})
 
 
 def check_run_is_possible(args, parser):
@@ -83,7 +79,7 @@ def parse_args():
                    "decode: a few minutes")
     p.add_argument("--shape", choices=list(SHAPES), help="random-weight shape for the curves, "
                    "the floor and the decode-speed table (default: gpt2, or tiny with --quick)")
-    p.add_argument("--lengths", type=int_list, help="generated lengths, comma-separated "
+    p.add_argument("--lengths", type=positive_int_list, help="generated lengths, comma-separated "
                    "(default: 4,32,64,128,256,512,1000; with --quick 4,32,64,128,224)")
     p.add_argument("--prompt-tokens", type=positive_int, default=16, help="default: 16")
     p.add_argument("--demo-tokens", type=positive_int, default=200, help="new tokens in the "
@@ -91,13 +87,13 @@ def parse_args():
     p.add_argument("--reps", type=positive_int, help="timed runs after a warm-up (default: 3, quick 1)")
     p.add_argument("--naive-check", type=int, default=None,
                    help="also measure one real naive run of this length (default: 128, quick 32; 0: none)")
-    p.add_argument("--batch-sizes", type=int_list, help="numbers of different prompts decoded "
+    p.add_argument("--batch-sizes", type=positive_int_list, help="numbers of different prompts decoded "
                    "together (default: 1,2,4,8,16,32; with --quick 1,4,16)")
     p.add_argument("--batch-tokens", type=positive_int, default=64,
                    help="new tokens per row in the batch table (default: 64)")
     p.add_argument("--kv-position", type=positive_int, help="context length at which each cache "
                    "dtype's decode step is timed (default: 1000, quick 200; capped by the shape's context)")
-    p.add_argument("--kv-batch-sizes", type=int_list, default=[1, 16],
+    p.add_argument("--kv-batch-sizes", type=positive_int_list, default=[1, 16],
                    help="batch sizes for the cache-dtype table (default: 1,16)")
     p.add_argument("--kv-peer-chars", type=positive_int, default=24000, help="characters of the "
                    "held-out text scored in the quantized-cache peer (default: 24000; quick 3000)")
@@ -224,7 +220,7 @@ def main():
         print_context_policies(r["context_policies"], r["checkpoint"])
     if "llama_speed" in r:
         print("\n# Llama-3.2-1B shape (benchmarks/llama_speed.py)")
-        print_llama_speed(r["llama_speed"])
+        print_decode_speed(r["llama_speed"])
     if args.json:
         write_atomically(args.json, json_text(r, generator="benchmark.py", indent=1))
     if args.plot:

@@ -56,6 +56,10 @@ def parse_args():
     p.add_argument("--attention", choices=["kernel", "gather"], default="kernel",
                    help="how decode steps read the paged cache: a kernel compiled with "
                    "torch.compile at start-up (default), or a plain-PyTorch gather")
+    p.add_argument("--compile", action="store_true",
+                   help="a request decoding alone goes through generate.py --compile's step "
+                   "(AOTInductor), not the paged engine: faster for one user. Built at start-up "
+                   "(seconds to minutes; the library holds a second copy of the weights)")
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template for /v1/chat/completions (default: the --hf "
                    "directory's own, from tokenizer_config.json or chat_template.jinja; without "
@@ -128,11 +132,13 @@ def main():
     from serving.server import BackgroundServer
 
     model, tokenizer, _ = load_from_args(CACHED_MODELS, args)
+    if args.compile:
+        print("building the compiled step for a lone request (once)...", file=sys.stderr, flush=True)
     try:
         engine = Engine(model, tokenizer, num_blocks=args.num_blocks,
                         tokens_per_block=args.tokens_per_block, max_batch=args.max_batch,
                         max_prefill_tokens=args.max_prefill_tokens, attention=args.attention,
-                        limits=limits_from_args(args))
+                        limits=limits_from_args(args), compile=args.compile)
     except ValueError as e:  # before anything is allocated: a pool too small or too large
         raise UserError(f"--num-blocks {args.num_blocks or '(default)'}, --tokens-per-block "
                         f"{args.tokens_per_block}: {e}") from None

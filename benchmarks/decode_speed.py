@@ -21,16 +21,22 @@ says whether each one computes the same thing.
 
 import contextlib
 import copy
+import sys
 import time
 
-import torch
+from plumbing.script import begin, run
 
-from benchmarks.peers import (LLAMA_OUTTYPES, PROMPT_TOKENS, leading_matches, llama_cpp_engines,
+if __name__ == "__main__":  # run as a command; importing this file changes nothing
+    begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
+
+import torch  # noqa: E402
+
+from benchmarks.peers import (LLAMA_OUTTYPES, PROMPT_TOKENS, leading_matches, llama_cpp_engines,  # noqa: E402
                               llama_greedy, random_prompt)
-from benchmarks.timing import alternate, spread, timed
-from benchmarks.weight_formats import weight_bytes_per_token
-from generation.loop import GenerationStats, synchronize
-from weight_quant import INT4_GROUP_SIZE, quantize_model
+from benchmarks.timing import alternate, spread, timed  # noqa: E402
+from benchmarks.weight_formats import weight_bytes_per_token  # noqa: E402
+from generation.loop import GenerationStats, synchronize  # noqa: E402
+from weight_quant import INT4_GROUP_SIZE, quantize_model  # noqa: E402
 
 OURS = {  # name: (the model's dtype, weight-only quantization, compiled decode step)
     "ours fp32 eager": (torch.float32, None, False),
@@ -43,6 +49,10 @@ OURS = {  # name: (the model's dtype, weight-only quantization, compiled decode 
 }
 REFERENCE = "ours fp32 eager"  # greedy agreement is counted against its tokens
 BASELINE = "llama.cpp f32"     # the ratio column divides by its tokens/s
+# ours beside llama.cpp in the same format: the ratios the issues set targets for
+PAIRS = (("ours fp32 compiled", "llama.cpp f32"), ("ours fp32 eager", "llama.cpp f32"),
+         ("ours int8 compiled", "llama.cpp q8_0"), ("ours int8", "llama.cpp q8_0"),
+         ("ours int4 compiled", "llama.cpp q4_0"), ("ours int4", "llama.cpp q4_0"))
 
 
 def ours_variant(fp32_model, dtype, scheme, group_size, compile):
@@ -117,8 +127,10 @@ def model_table(label, fp32_model, read_GBps, n, reps, ours, group_size, llama_e
     if BASELINE in rows:
         for row in rows.values():
             row["vs_llama_cpp_f32"] = row["tok_s"]["median"] / rows[BASELINE]["tok_s"]["median"]
+    pairs = {f"{ours} / {theirs}": rows[ours]["tok_s"]["median"] / rows[theirs]["tok_s"]["median"]
+             for ours, theirs in PAIRS if ours in rows and theirs in rows}
     return {"model": label, "params_m": fp32_model.num_params() / 1e6, "tokens": n,
-            "read_GBps": read_GBps, "rows": rows, "skipped": skipped}
+            "read_GBps": read_GBps, "rows": rows, "skipped": skipped, "pairs": pairs}
 
 
 def decode_speed(models, n, reps, floors, compile_note=None, llama_cpp_note=None,
@@ -141,3 +153,41 @@ def decode_speed(models, n, reps, floors, compile_note=None, llama_cpp_note=None
     return {"prompt_tokens": PROMPT_TOKENS, "threads": torch.get_num_threads(), "reps": reps,
             "group_size": group_size, "compile_note": compile_note,
             "llama_cpp_note": llama_cpp_note, "models": tables}
+
+
+def main():
+    from benchmarks.cache_cost import SHAPES, bandwidth_floor, random_model
+    from benchmarks.peers import llama_cpp_missing
+    from benchmarks.report import print_decode_speed
+    from kv_cache import CACHED_MODELS
+    from plumbing.checkpoint import BUNDLED, load_model
+    from plumbing.cli import ArgumentParser, positive_int
+    from plumbing.outputs import check_output_path, json_text, write_atomically
+
+    p = ArgumentParser(description="The decode-speed table of benchmark.py alone: ours in each "
+                       "form beside llama.cpp f32, f16, q8_0 and q4_0 on identical weights, on the "
+                       "bundled model and a random model of --shape (see the module docstring).")
+    p.add_argument("--shape", choices=list(SHAPES), default="gpt2",
+                   help="the random model's shape (default: gpt2, GPT-2 small; tiny: a quick check)")
+    p.add_argument("--tokens", type=positive_int, default=200, help="new tokens per run (default: 200)")
+    p.add_argument("--reps", type=positive_int, default=3, help="timed runs after a warm-up (default: 3)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="leave out the compiled rows (each builds C++ for up to minutes)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args()
+    if args.json is not None:
+        check_output_path(args.json, "json")
+    bundled = load_model(CACHED_MODELS, BUNDLED, report=lambda line: None)[0]
+    models = {"bundled": bundled, f"{args.shape} shape": random_model(args.shape, "cpu")}
+    floors = {label: bandwidth_floor(model, args.reps) for label, model in models.items()}
+    result = decode_speed(models, args.tokens, args.reps, floors,
+                          compile_note="compiled rows left out (--no-compile)" if args.no_compile else None,
+                          llama_cpp_note=llama_cpp_missing())
+    result["command"] = " ".join(["python -m benchmarks.decode_speed", *sys.argv[1:]])
+    print_decode_speed(result)
+    if args.json:
+        write_atomically(args.json, json_text(result, generator="benchmarks.decode_speed", indent=1))
+
+
+if __name__ == "__main__":
+    run(main)

@@ -53,8 +53,6 @@ SHAPES = {
 }
 CONTESTANTS = ("ours fp32 eager", "ours int8", "ours int4")
 LLAMA_OUTTYPES = ("f32", "q8_0", "q4_0")
-PAIRS = (("ours fp32 eager", "llama.cpp f32"), ("ours int8", "llama.cpp q8_0"),
-         ("ours int4", "llama.cpp q4_0"))
 
 
 def random_llama(config, device="cpu", seed=0):
@@ -75,16 +73,8 @@ def llama_speed(shape, n, reps, device):
                           compile_note="compiled row left out here (a long compile at this size)",
                           llama_cpp_note=llama_note, contestants=CONTESTANTS,
                           llama_outtypes=LLAMA_OUTTYPES)
-    rows = result["models"][0]["rows"]
-    result["pairs"] = {f"{ours} / {theirs}": rows[ours]["tok_s"]["median"] / rows[theirs]["tok_s"]["median"]
-                       for ours, theirs in PAIRS if ours in rows and theirs in rows}
+    result["pairs"] = result["models"][0]["pairs"]
     return result
-
-
-def print_llama_speed(result):
-    print_decode_speed(result)
-    for pair, ratio in result.get("pairs", {}).items():
-        print(f"{pair}: {ratio:.2f}x")
 
 
 def main():
@@ -100,7 +90,7 @@ def main():
         check_output_path(args.json, "json")
     result = llama_speed(args.shape, args.tokens, args.reps, torch.device("cpu"))
     result["command"] = " ".join(["python -m benchmarks.llama_speed", *sys.argv[1:]])
-    print_llama_speed(result)
+    print_decode_speed(result)
     if args.json:
         write_atomically(args.json, json_text(result, generator="benchmarks.llama_speed", indent=1))
 

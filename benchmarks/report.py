@@ -95,6 +95,9 @@ def print_decode_speed(d):
                   f"{row['floor_ms']:.2f} | {fmt_spread(row['tok_s'])} | "
                   f"{1e3 / row['tok_s']['median']:.2f} | {row['over_floor']:.1f}x |{ratio} "
                   f"{row['greedy_leading_same']}/{t['tokens']} |")
+    for t in d["models"]:
+        for pair, ratio in t.get("pairs", {}).items():
+            print(f"{t['model']}: {pair} = {ratio:.2f}x")
 
 
 def print_kernels(k, floor):
@@ -110,13 +113,16 @@ def print_kernels(k, floor):
 
 def print_batches(batch):
     print("\n## Batches of different prompts (lengths 8-64): aggregate decode speed")
-    print("| model | prompts | tok/s, all rows | vs batch 1 | ms per step | KV cache by the formula | allocated |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | prompts | tok/s, all rows | vs batch 1 | ms per step | matmul GFLOP/s (of peak) "
+          "| KV cache by the formula | allocated |")
+    print("|---|---|---|---|---|---|---|---|")
     for t in batch:
         for b, row in t["sizes"].items():
             print(f"| {t['model']} | {b} | {fmt_spread(row['tok_s'])} | {row['vs_batch_1']:.1f}x | "
-                  f"{fmt_spread(row['step_ms'])} | {row['cache_bytes_formula'] / 2**20:.1f} MiB | "
-                  f"{row['cache_bytes_allocated'] / 2**20:.1f} MiB |")
+                  f"{fmt_spread(row['step_ms'])} | {row['gflop_s']:.1f} ({row['of_peak']:.0%}) | "
+                  f"{row['cache_bytes_formula'] / 2**20:.1f} MiB | {row['cache_bytes_allocated'] / 2**20:.1f} MiB |")
+    for t in batch:
+        print(f"{t['model']}: peak = a {t['peak_size']}-square fp32 matmul, {t['peak_gflop_s']:.1f} GFLOP/s")
 
 
 def print_transformers_peer(r):

@@ -13,7 +13,8 @@ network; nothing is installed.
 
 A run writes the model as GGUF (export_gguf.py), starts `python serve.py` and llama-server
 (`-np` slots for as many requests as the workload sends at once, `-t` threads, as much
-context per slot as ours), and then, for --rounds rounds, each server in turn gets:
+context per slot as ours; ours with --compile, so that a request alone takes the compiled
+step, unless --no-compile), and then, for --rounds rounds, each server in turn gets:
   - the workload: --requests streaming clients at once, --prompt-len random tokens each,
     --output-len tokens generated, greedy, ignore_eos (benchmarks/load_test.py);
   - one request alone (the same prompt and length): what a single user sees.
@@ -48,7 +49,7 @@ from plumbing.cli import ArgumentParser, positive_int  # noqa: E402
 from plumbing.outputs import check_output_path, json_text, write_atomically  # noqa: E402
 
 SHAPES = {"gpt2": GPTConfig(context_len=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)}
-READY_SECONDS = 600  # our server compiles its paged kernel at start-up: minutes on 2 busy cores
+READY_SECONDS = 600  # our server compiles its kernel and its step at start-up: minutes on 2 busy cores
 
 
 # ---------------------------------------------------------------------------- building
@@ -101,9 +102,9 @@ def wait_ready(url, process, name):
     raise UserError(f"{name} was not ready within {READY_SECONDS} s")
 
 
-def start_ours(ckpt, port, slots, log):
+def start_ours(ckpt, port, slots, compile, log):
     command = [sys.executable, str(ROOT / "serve.py"), "--ckpt", str(ckpt), "--port", str(port),
-               "--max-batch", str(slots)]
+               "--max-batch", str(slots), *(["--compile"] if compile else [])]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
@@ -150,7 +151,8 @@ def measure(args):
         ports = {"ours": free_port(), "llama-server": free_port()}
         with open(Path(folder) / "ours.log", "w") as ours_log, \
                 open(Path(folder) / "llama.log", "w") as llama_log:
-            servers = {"ours": start_ours(ckpt, ports["ours"], args.requests, ours_log),
+            servers = {"ours": start_ours(ckpt, ports["ours"], args.requests, not args.no_compile,
+                                          ours_log),
                        "llama-server": start_llama_server(args.llama_server, gguf, ports["llama-server"],
                                                           args.requests, context_len, args.threads,
                                                           llama_log)}
@@ -190,7 +192,8 @@ def report(name, results, args):
         a, b = spread(ours[what]), spread(theirs[what])
         rows[what] = {"ours_tok_s": a, "llama_server_tok_s": b, "ratio": a["median"] / b["median"]}
     print(f"\n{name}, {args.requests} requests x {args.prompt_len} prompt tokens x {args.output_len} "
-          f"new tokens, greedy, llama-server -t {args.threads}; median [min-max] of {args.rounds} rounds\n")
+          f"new tokens, greedy, serve.py{'' if args.no_compile else ' --compile'}, llama-server -t "
+          f"{args.threads}; median [min-max] of {args.rounds} rounds\n")
     print("| workload | ours tok/s | llama-server tok/s | ours / llama-server |")
     print("|---|---|---|---|")
     for what, label in (("many", f"{args.requests} at once"), ("one", "one request alone")):
@@ -199,7 +202,7 @@ def report(name, results, args):
                  for s in (r["ours_tok_s"], r["llama_server_tok_s"])]
         print(f"| {label} | {cells[0]} | {cells[1]} | {r['ratio']:.2f}x |")
     print(f"\nerrors: ours {ours['errors']}, llama-server {theirs['errors']}")
-    return {"model": name, "requests": args.requests, "prompt_len": args.prompt_len,
+    return {"model": name, "compile": not args.no_compile, "requests": args.requests, "prompt_len": args.prompt_len,
             "output_len": args.output_len, "threads": args.threads, "rounds": args.rounds,
             "torch": torch.__version__, "llama_cpp_python": pinned_version(), **rows,
             "errors": {"ours": ours["errors"], "llama_server": theirs["errors"]}}
@@ -224,6 +227,8 @@ def main():
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a server may stay silent before a request fails (default: 120)")
     p.add_argument("--seed", type=int, default=0, help="the prompts' seed (default: 0)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="start serve.py without --compile: a lone request through the paged engine")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args()
     if args.build:

@@ -115,10 +115,11 @@ def new_engine(model, tokenizer, args):
     limits = Limits(max_waiting=max(Limits().max_waiting, args.requests))
     try:
         engine = Engine(model, tokenizer, num_blocks=args.num_blocks, max_batch=args.max_batch,
-                        tokens_per_block=args.tokens_per_block, attention=args.attention, limits=limits)
+                        tokens_per_block=args.tokens_per_block, attention=args.attention, limits=limits,
+                        compile=args.compile)
     except ValueError as e:  # a pool too small for one context, or larger than the memory
         raise UserError(f"--num-blocks, --tokens-per-block: {e}") from None
-    engine.warm_up()  # compiles the paged kernel: not part of any measurement
+    engine.warm_up()  # compiles the decode step: not part of any measurement
     return engine
 
 
@@ -252,11 +253,11 @@ def prefix_hit_ttft(model, tokenizer, args, prefix_len=200, suffix_len=8, reps=3
 def gather_cost(model, tokenizer, args, batch, context, reps=5):
     """One decode step of `batch` sequences of `context` tokens, three ways: the paged step
     reading the pool through the gather (every layer's index_select, then SDPA), the same
-    with the compiled paged kernel (paged_attention.py), and the step on a dense
+    compiled whole with the paged kernel inside (paged_attention.py), and the step on a dense
     preallocated KVCache (KVCacheGPT's own batch decode: nothing to find); and the gather
     alone."""
     tpb = args.tokens_per_block
-    # the serving engine's pool size, so that the kernel timed is the graph compiled for
+    # the serving engine's pool size, so that the step timed is the graph compiled for
     # it (the pool's size is a constant of the graph), unless it has no room for them all
     serving_pool = args.num_blocks or default_num_blocks(
         model.config, tpb, args.max_batch, dtype_name(model.lm_head.weight.dtype))
@@ -273,11 +274,11 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
     tokens, cache = engine.prepare(seqs)
     kv, slots = engine.pool.kv, cache.read_slots.flatten()
 
-    def paged(kernel):
-        def step():
-            engine.attention_kernel = kernel
-            engine.model(tokens, engine.prepare(seqs)[1], last_only=True)
-        return step
+    def gathered_step():
+        engine.model(tokens, engine.prepare(seqs)[1], last_only=True)
+
+    def compiled_step():
+        engine.decode_compiled(*engine.prepare(seqs))
 
     def gather():
         for layer in range(kv.size(0)):
@@ -292,9 +293,8 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
 
     def ms(fn):  # the mean of reps, after a warm-up
         return 1e3 * statistics.mean(repeat(lambda: timed(fn)[1], reps))
-    kernel = engine.attention_kernel
-    result = {"batch": batch, "context": context, "paged_step_ms": ms(paged(None)),
-              "kernel_step_ms": ms(paged(kernel)),
+    result = {"batch": batch, "context": context, "paged_step_ms": ms(gathered_step),
+              "compiled_step_ms": ms(compiled_step),
               "gather_ms": ms(gather), "dense_step_ms": ms(dense_step),
               "gathered_bytes": 2 * slots.numel() * kv[0, 0, 0].nbytes * kv.size(0)}
     result["gather_share"] = result["gather_ms"] / result["paged_step_ms"]
@@ -346,7 +346,8 @@ def print_report(r):
         print(f"\nreading the pages: a decode step of {g['batch']} sequences x {g['context']} tokens: "
               f"gather + SDPA {g['paged_step_ms']:.1f} ms, of which the gather {g['gather_ms']:.1f} ms "
               f"({g['gather_share']:.0%}, {g['gathered_bytes'] / 2**20:.0f} MiB copied); "
-              f"paged kernel {g['kernel_step_ms']:.1f} ms; dense KVCache step {g['dense_step_ms']:.1f} ms")
+              f"compiled step (the paged kernel inside) {g['compiled_step_ms']:.1f} ms; eager dense "
+              f"KVCache step {g['dense_step_ms']:.1f} ms")
 
 
 def plot(r, path, plt):
@@ -408,6 +409,9 @@ def main():
     p.add_argument("--tokens-per-block", type=positive_int, default=16, help="default: 16")
     p.add_argument("--attention", choices=["kernel", "gather"], default="kernel",
                    help="how the engine's decode steps read the pool (default: kernel)")
+    p.add_argument("--compile", action="store_true",
+                   help="the engine as serve.py --compile runs it: a request decoding alone goes "
+                   "through the compiled step (built once, before any measurement)")
     p.add_argument("--engine-thread", choices=["main", "background"],
                    help="where the engine's step loop runs: the main thread, which loaded "
                    "the model (serve.py's way), or a thread of its own, to see what that "
@@ -421,8 +425,8 @@ def main():
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")
     args = p.parse_args()
-    if args.url is not None and (args.modes is not None or args.engine_thread):
-        p.error("--url runs the load test alone: --modes and --engine-thread do not apply")
+    if args.url is not None and (args.modes is not None or args.engine_thread or args.compile):
+        p.error("--url runs the load test alone: --modes, --engine-thread and --compile do not apply")
     modes = ["server"] if args.url is not None else (
         ",".join(MODES) if args.modes is None else args.modes).split(",")
     args.engine_thread = args.engine_thread or "main"
@@ -468,7 +472,7 @@ def main():
          "workload": {"requests": args.requests, "prompt_len": "-".join(map(str, args.prompt_len)),
                       "output_len": "-".join(map(str, args.output_len)), "rate": args.rate,
                       "max_batch": args.max_batch, "seed": args.seed,
-                      "engine_thread": args.engine_thread},
+                      "engine_thread": args.engine_thread, "compile": args.compile},
          "running_peak": running_peak, "full_context_kv_bytes": running_peak * context_len * per_token,
          "modes": {}}
     if args.url:

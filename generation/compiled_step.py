@@ -139,6 +139,20 @@ def export_program(program, example_inputs):
         return torch.export.export(program, example_inputs, strict=False)
 
 
+# How inductor builds the library. A decode step's matmuls have one row per sequence: a
+# matrix-vector product, which MKL (torch's default kernel) runs far from the memory's speed
+# at these sizes. max_autotune times, for every matmul of the step at build time, MKL's
+# kernel against inductor's own C++ template (a vectorised micro-kernel generated for that
+# exact shape and weight layout) and compiles in the faster: the template won at every
+# shape of the bundled model, 3-6x per matmul, and the whole step ran 2.6x faster
+# (docs/benchmarks.md). freezing lets inductor treat the weights as constants (the library
+# holds its own copy anyway) and lay them out for its kernels once, at build time. Together
+# they add seconds to the build. The last two options keep the timing tables inductor
+# prints while it tunes off the user's terminal.
+BUILD_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True,
+                 "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+
+
 def build_program(program, example_inputs):
     """program ahead of time: exported into one graph, which AOTInductor turns into a C++
     shared library (inductor's generated kernels and the C++ that calls them in turn); a
@@ -151,8 +165,11 @@ def build_program(program, example_inputs):
     deleted once loaded."""
     exported = export_program(program, example_inputs)
     with tempfile.TemporaryDirectory(prefix="kvcache-step-") as folder, warnings.catch_warnings():
+        # deprecation notices from inside torch (its export, its autotuning), nothing of ours
         warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
-        path = torch._inductor.aoti_compile_and_package(exported, package_path=f"{folder}/step.pt2")
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+        path = torch._inductor.aoti_compile_and_package(exported, package_path=f"{folder}/step.pt2",
+                                                        inductor_configs=BUILD_OPTIONS)
         return torch._inductor.aoti_load_package(path).loader.boxed_run
 
 

@@ -39,6 +39,11 @@ def positive_int(text):
     return value
 
 
+def positive_int_list(text):
+    """Comma-separated positive integers, sorted, each once: "16,1,4" -> [1, 4, 16]."""
+    return sorted({positive_int(x) for x in text.split(",")})
+
+
 def seed_int(text):
     value = int(text)
     if value not in SEED_RANGE:

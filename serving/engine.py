@@ -29,7 +29,8 @@ import torch
 from kv_quant import cache_bytes, dtype_name
 from sample import check_sampling_args, sample
 from serving.admission import Limits
-from serving.paged_attention import paged_decode_attention
+from serving.lone_step import LoneStep
+from serving.paged_attention import compiled_decode_step
 from serving.paged_cache import NULL_BLOCK, BlockPool, PagedCache
 from serving.scheduler import FINISHED, Scheduler, Sequence
 from plumbing.text_stream import SampleText
@@ -142,17 +143,20 @@ def check_pool_fits(config, num_blocks, tokens_per_block, kv_dtype):
 
 class Engine:
     def __init__(self, model, tokenizer, num_blocks=None, tokens_per_block=16, max_batch=64,
-                 max_prefill_tokens=2048, attention="kernel", limits=None):
+                 max_prefill_tokens=2048, attention="kernel", limits=None, compile=False):
         """num_blocks: the pool's size (default_num_blocks by default); when it runs out,
         the scheduler preempts.
-        attention: how decode steps read the pool, "kernel" (paged_attention.py, compiled
-        at the first decode step) or "gather" (plain PyTorch; paged_cache.py compares).
-        limits: admission.Limits (default: its defaults)."""
+        attention: how decode steps run, "kernel" (paged_attention.py: the step compiled
+        whole, the paged kernel inside it; compiled at the first decode steps) or "gather"
+        (eager, plain PyTorch: the pool gathered for SDPA; paged_cache.py compares).
+        limits: admission.Limits (default: its defaults).
+        compile: a request decoding alone goes through the compiled step (lone_step.py),
+        built here (seconds to minutes, and a copy of the weights)."""
         if attention not in ("kernel", "gather"):
             raise ValueError(f"attention must be 'kernel' or 'gather', got {attention!r}")
         self.model, self.tokenizer = model, tokenizer
         self.limits = Limits() if limits is None else limits
-        self.attention_kernel = paged_decode_attention if attention == "kernel" else None
+        self.compiled_decode = attention == "kernel"
         config, weight = model.config, model.lm_head.weight
         self.device = weight.device
         if num_blocks is None:
@@ -161,6 +165,8 @@ class Engine:
         check_pool_fits(config, num_blocks, tokens_per_block, dtype_name(weight.dtype))
         self.pool = BlockPool(config, num_blocks, tokens_per_block, self.device, weight.dtype)
         self.scheduler = Scheduler(self.pool, config.context_len, max_batch, max_prefill_tokens)
+        self.lone = LoneStep(model, self.pool) if compile else None
+        self.lone_steps = 0
         self.inbox, self.cancelled = deque(), deque()  # from other threads (deque is thread-safe)
         self.admitting = threading.Lock()  # one submit at a time: the queue's bound holds
         self.wakeup = threading.Condition()
@@ -247,11 +253,39 @@ class Engine:
         """Feed every sequence its tokens not yet cached, in one pass: the logits (B, V) of
         each sequence's last token, and those of every fed position (B, T, V) when a
         sequence of the batch scores its prompt (else None: only the last position's are
-        computed, which spares a (T x vocab) matmul)."""
+        computed, which spares a (T x vocab) matmul).
+
+        Three ways: a request decoding alone, through the lone step (with compile); a
+        decode pass (one token a row, past the first column: warm_up says why), through
+        the compiled decode step (attention "kernel"); anything else (prefills, "gather"),
+        through the model's eager forward with a PagedCache."""
+        if self.lone is not None and self.decodes_alone(batch):
+            self.lone_steps += 1
+            return self.lone.decode(batch[0]), None
         tokens, cache = self.prepare(batch)
         every = any(s.score_prompt for s in batch)
+        if self.compiled_decode and tokens.size(1) == 1 and cache.read_slots.size(1) > 1 and not every:
+            return self.decode_compiled(tokens, cache), None
         logits = self.model(tokens, cache, last_only=not every)[0]
         return logits[:, -1], logits if every else None
+
+    def decode_compiled(self, tokens, cache):
+        """The logits (B, V) of a decode pass (one token per row) through the compiled step:
+        the PagedCache's slots, each row's position and which columns it sees."""
+        B, S = cache.read_slots.shape
+        columns = torch.arange(S, device=self.device)
+        pad = cache.pad if cache.pad is not None else torch.zeros(B, dtype=torch.long, device=self.device)
+        positions = (S - 1 - pad)[:, None]                                 # (B, 1): the fed column's
+        visible = columns[None, :] >= pad[:, None]                         # (B, S): not padding
+        return compiled_decode_step(self.model, tokens, positions, self.pool.kv, cache.read_slots,
+                                    cache.write_slots, visible)
+
+    @staticmethod
+    def decodes_alone(batch):
+        """One request, feeding one token (its newest; nothing to score)."""
+        (request, *others) = batch
+        return (not others and not request.score_prompt
+                and request.num_cached == request.context_len - 1)
 
     def score_prompts(self, logits, batch):
         """request.prompt_logprobs for the prompts scored in this pass, from the logits
@@ -299,8 +333,7 @@ class Engine:
         tokens = [[0] * max(0, T - s.context_len) + s.tokens[max(s.start, len(s.tokens) - T):]
                   for s in batch]
         cache = PagedCache(self.pool, slots.to(self.device), write.flatten().to(self.device),
-                           pad.to(self.device) if pad.any() else None, length=S - T,
-                           kernel=self.attention_kernel)
+                           pad.to(self.device) if pad.any() else None, length=S - T)
         return torch.tensor(tokens, device=self.device), cache
 
     def sample(self, logits, batch):
@@ -348,12 +381,16 @@ class Engine:
     # ------------------------------------------------------------------ running it
 
     def warm_up(self):
-        """Run two throwaway requests, alone and together, so that the paged kernel is
-        compiled (for one sequence, and for any other number) before real requests come."""
+        """Run throwaway requests, alone and two together, so that the decode step is
+        compiled before real requests come: torch.compile makes a size of 1 a constant, so
+        a batch of one sequence is a graph of its own (unless the lone step takes it), and
+        the first call with two sequences of more than one column compiles the graph that
+        serves every other batch and context (a pass over one column only, a one-token
+        prompt's prefill, stays eager: it would be a third graph)."""
         params = SamplingParams(max_tokens=2, temperature=0, stop_at_eot=False)
         for batch in (1, 2):
             for _ in range(batch):
-                self.add_request([0], params)
+                self.add_request([0, 0], params)
             self.run_until_done()
 
     def run_until_done(self):
@@ -418,5 +455,6 @@ class Engine:
                 "blocks_total": self.pool.num_blocks, "blocks_free": len(self.pool.free),
                 "blocks_peak": self.peak_blocks, "tokens_per_block": self.pool.tokens_per_block,
                 "preemptions": self.scheduler.preemptions, "steps": self.steps,
+                "lone_steps": self.lone_steps,
                 "prefilled_tokens": self.scheduler.prefilled_tokens,
                 "cached_tokens": self.scheduler.cached_tokens}

@@ -1,6 +1,6 @@
 """
 Attention that reads the paged cache where it lies: a paged attention kernel, written in
-a dozen lines of PyTorch and made into one by torch.compile.
+a dozen lines of PyTorch, and the engine's decode step compiled whole around it.
 
 PagedCache.update gathers every sequence's keys and values into one dense tensor, because
 SDPA wants one: a decode step then copies the whole cache (a read and a write) before
@@ -18,8 +18,12 @@ index_select it replaces). torch.compile fuses the indexing into the loops that 
 the C++ it generates loads each key and value straight from its block, once, and never
 writes a copy.
 
-Only decode (one new query per sequence) goes through it; a prefill's queries need the
-causal mask, and its matmuls dwarf the copy, so prefills keep the gather and SDPA.
+The engine's decode step is compiled whole (compiled_decode_step): the model's forward with
+the pool as its cache (PagedStep), so that the kernel, the matmuls and the small operations
+between them (LayerNorm, GELU, residuals) are one graph of generated loops instead of a
+hundred calls from Python a step. Only decode (one new query per sequence) goes through
+it; a prefill's queries need the causal mask, and its matmuls dwarf the copy, so prefills
+keep the gather and SDPA.
 """
 
 import torch
@@ -45,21 +49,57 @@ def decode_attention(q, k_pool, v_pool, slots, visible):
     return out.reshape(B, nh, 1, hd).to(v_pool.dtype)
 
 
-_compiled = None  # decode_attention compiled, once per process
+class PagedStep:
+    """What attention sees as its cache inside the compiled decode step (a kv_cache.Cache):
+    each sequence's new key and value go to its slot of the pool, then decode_attention
+    reads every column through the block tables."""
+
+    def __init__(self, kv, read_slots, write_slots, visible):
+        self.kv, self.read_slots, self.visible = kv, read_slots, visible  # kv: the whole pool
+        # index tensors broadcasting to (2, B): k and v, each sequence's slot
+        self.k_or_v = torch.arange(2, device=kv.device).view(2, 1)
+        self.write_slots = write_slots.view(1, -1)
+
+    def attend(self, layer, q, k, v, mask):
+        # k, v (B, n_kv_head, 1, hd). One index_put_ on the pool itself, not a write into the
+        # view kv[layer]: in a compiled graph, a write into a view of an input becomes a copy
+        # of the whole input (generation/compiled_step.py's StaticStep says more)
+        layer_index = torch.full((1, 1), layer, device=k.device)
+        new = torch.stack([k, v])[:, :, :, 0]                               # (2, B, n_kv_head, hd)
+        self.kv.index_put_((layer_index, self.k_or_v, self.write_slots), new)
+        return decode_attention(q, self.kv[layer, 0], self.kv[layer, 1], self.read_slots, self.visible)
 
 
-def paged_decode_attention(q, k_pool, v_pool, slots, visible):
-    """decode_attention compiled (the first calls compile: seconds), told which sizes
-    change from call to call: the batch and the context (B, S) are compiled as variables,
-    so one graph serves every step (and one more for a batch of 1: compile makes sizes 0
-    and 1 constants). The rest (heads, head size, the pool) stay constants, which lets the
-    C++ unroll the loop over a head's values; dynamic=True would make every size a
-    variable."""
+def decode_step(model, tokens, positions, kv, read_slots, write_slots, visible):
+    """Logits (B, V) of one decode step over the pool: tokens, positions (B, 1), each
+    sequence's newest token and its position; kv: the pool's buffer, (n_layer, 2, slots,
+    n_kv_head, hd), written in place; read_slots (B, S), write_slots (B,), visible (B, S) as
+    decode_attention takes them. The cached model's forward (KVCacheGPT's or KVCacheLlama's)
+    with the pool as its cache."""
+    x, block_args = model.embed_at(tokens, positions)                  # (B, 1, C)
+    cache = PagedStep(kv, read_slots, write_slots, visible)
+    for layer, block in enumerate(model.blocks):
+        x = block(x, **block_args, cache=cache, layer=layer, mask=None)
+    return model.head(x)[:, -1]
+
+
+_compiled = None  # decode_step compiled, once per process
+
+
+def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, visible):
+    """decode_step compiled whole by torch.compile (the first calls compile: seconds to a
+    minute): the model's matmuls, the small operations between them and the paged
+    attention of every layer in one graph, where eager PyTorch runs each as its own call.
+    It is told which sizes change from call to call: the batch and the context (B, S) are
+    compiled as variables, so one graph serves every step (and one more for a batch of 1:
+    compile makes sizes 0 and 1 constants). The rest (heads, head size, the pool) stay
+    constants, which lets the C++ unroll the loop over a head's values; dynamic=True would
+    make every size a variable."""
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(decode_attention, fullgraph=True)
-    for tensor in (q, slots, visible):
+        _compiled = torch.compile(decode_step, fullgraph=True)
+    for tensor in (tokens, positions, read_slots, write_slots, visible):
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
-    for tensor in (slots, visible):
+    for tensor in (read_slots, visible):
         torch._dynamo.maybe_mark_dynamic(tensor, 1)
-    return _compiled(q, k_pool, v_pool, slots, visible)
+    return _compiled(model, tokens, positions, kv, read_slots, write_slots, visible)

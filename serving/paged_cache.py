@@ -178,18 +178,16 @@ class PagedCache(Cache):
     last. The engine computes, once per pass, which pool slot every column comes from
     (read_slots, (B, S)) and where every new column goes (write_slots, (B * T,): the null
     block for padding and for columns already cached). Attention first writes the new keys
-    and values there, then reads the batch's keys and values through the slots, in one of
-    two ways:
-      - gather (update(), then SDPA): copy every sequence's keys and values of the layer
-        into a dense (B, nh, S, hd) tensor, because SDPA wants one. Plain PyTorch, but each
-        pass copies the whole cache before attention reads it again;
-      - kernel (decode only, when the engine gives one): paged_attention.py's compiled
-        kernel reads each key where it lies, as vLLM's paged attention does.
-    benchmarks/serving.py measures both against a dense KVCache."""
+    and values there, then gathers the batch's keys and values of the layer through the
+    slots into a dense (B, nh, S, hd) tensor, because SDPA wants one: plain PyTorch, but each
+    pass copies the whole cache before attention reads it again. Prefills go this way, and
+    decode steps with the engine's attention="gather"; its default decode step is
+    paged_attention.py's, compiled whole, whose kernel reads each key where it lies, as
+    vLLM's paged attention does. benchmarks/serving.py measures both against a dense KVCache."""
 
-    def __init__(self, pool, read_slots, write_slots, pad, length, kernel=None):
+    def __init__(self, pool, read_slots, write_slots, pad, length):
         self.pool, self.read_slots, self.write_slots = pool, read_slots, write_slots
-        self.pad, self.length, self.kernel = pad, length, kernel
+        self.pad, self.length = pad, length
 
     def write(self, layer, k, v):
         """Store the new columns k, v (B, n_kv_head, T, hd) in their slots; the layer's
@@ -206,15 +204,6 @@ class PagedCache(Cache):
         both = kv.index_select(1, self.read_slots.flatten()).view(2, B, S, *kv.shape[2:])
         both = both.transpose(2, 3)                                        # (2, B, n_kv_head, S, hd)
         return both[0], both[1]
-
-    def attend(self, layer, q, k, v, mask):
-        if self.kernel is None or q.size(2) > 1:
-            return super().attend(layer, q, k, v, mask)  # update() (the gather), then SDPA
-        kv = self.write(layer, k, v)
-        # mask is None (no row padded: every column visible) or (B, 1, 1, S)
-        visible = (torch.ones_like(self.read_slots, dtype=torch.bool) if mask is None
-                   else mask[:, 0, 0])
-        return self.kernel(q, kv[0], kv[1], self.read_slots, visible)
 
     def nbytes(self):
         return self.pool.nbytes()

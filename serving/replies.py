@@ -96,28 +96,38 @@ class Reply:
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
 
-        async def send(data):
-            await response.write(f"data: {json.dumps(data)}\n\n".encode())
+        async def send(events, done=False):
+            data = b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events)
+            await response.write(data + (b"data: [DONE]\n\n" if done else b""))
 
         def chunk(choices):
             body = self.body(choices, chunk=True)
             return {**body, "usage": None} if include_usage else body
-        for first in self.opening_choices():
-            await send(chunk([first]))
+        opening = [chunk([first]) for first in self.opening_choices()]
+        if opening:
+            await send(opening)
+        # Events that are ready go out together, in one write: when the engine runs ahead of
+        # this loop (many streams, or n choices, each getting a token every step), outputs
+        # queue up, and one write for all of them costs one network send, not one each.
+        # When the queue is empty what is ready goes out at once: nothing waits.
+        events = []
         while len(self.finished) < len(self.choices):
             try:
                 i, output = await self.next()
             except EngineFailed as e:  # headers are sent: the error goes in the stream
-                await send({"error": {"message": str(e), "type": "server_error",
-                                      "param": None, "code": None}})
+                await send([*events, {"error": {"message": str(e), "type": "server_error",
+                                                "param": None, "code": None}}])
                 break
             choice = self.chunk_choice(i, output)
             if choice is not None:
-                await send(chunk([choice]))
+                events.append(chunk([choice]))
+            if events and self.outputs.empty():
+                await send(events)
+                events = []
         else:
             if include_usage:
-                await send(self.body([], chunk=True, usage=True))
-            await response.write(b"data: [DONE]\n\n")
+                events.append(self.body([], chunk=True, usage=True))
+            await send(events, done=True)
         await response.write_eof()
         return response
 

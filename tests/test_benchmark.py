@@ -101,11 +101,47 @@ def test_decode_speed_table_structure(monkeypatch):
     assert table["rows"]["llama.cpp f32"]["vs_llama_cpp_f32"] == 1
     assert table["rows"]["llama.cpp f32"]["greedy_leading_same"] == 8
     assert table["rows"]["ours bf16"]["weight_bytes"] == table["rows"]["ours fp32 eager"]["weight_bytes"] / 2
+    # ours beside llama.cpp in the same format: only the pairs both sides ran
+    assert table["pairs"] == {"ours fp32 eager / llama.cpp f32":
+                              table["rows"]["ours fp32 eager"]["vs_llama_cpp_f32"]}
     # without llama.cpp, or leaving out quantization: ours alone, no ratio column
     r = ds.decode_speed({"tiny": model}, 8, 1, floors, compile_note="x", llama_cpp_note="absent",
                         quantize=False)
     rows = r["models"][0]["rows"]
     assert list(rows) == ["ours fp32 eager", "ours bf16"] and "vs_llama_cpp_f32" not in rows["ours bf16"]
+
+
+def test_the_decode_speed_table_alone(tmp_path):
+    """python -m benchmarks.decode_speed: the bundled model and a shape, as benchmark.py's
+    table (llama.cpp's rows when llama-cpp-python is installed)."""
+    out = tmp_path / "speed.json"
+    proc = run_script("benchmarks/decode_speed.py", "--shape", "tiny", "--tokens", "4", "--reps", "1",
+                      "--no-compile", "--json", out)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    assert [t["model"] for t in r["models"]] == ["bundled", "tiny shape"]
+    assert r["command"].startswith("python -m benchmarks.decode_speed --shape tiny")
+    assert "ours fp32 compiled" not in r["models"][0]["rows"] and "--no-compile" in r["compile_note"]
+    assert "## Decode speed" in proc.stdout
+
+
+def test_batches_report_their_flops_against_the_peak(tmp_path):
+    """python -m benchmarks.batching: each batch's matmul FLOP/s is 2 x the Linear weights x
+    rows per step over the step's time, and its share of the measured peak."""
+    out = tmp_path / "batch.json"
+    proc = run_script("benchmarks/batching.py", "--shape", "tiny", "--sizes", "2,1", "--tokens", "4",
+                      "--reps", "1", "--json", out)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    assert list(r["sizes"]) == ["1", "2"] and r["peak_gflop_s"] > 0 and r["peak_size"] == 2048
+    from benchmarks.cache_cost import random_model
+    from benchmarks.weight_formats import linear_layers
+    flops = 2 * sum(m.in_features * m.out_features for m in linear_layers(random_model("tiny", "cpu")))
+    for b, row in r["sizes"].items():
+        assert row["gflop_s"] == pytest.approx(flops * int(b) / row["step_ms"]["median"] / 1e6)
+        assert row["of_peak"] == pytest.approx(row["gflop_s"] / r["peak_gflop_s"])
+    proc = run_script("benchmarks/batching.py", "--sizes", "0")
+    assert proc.returncode == 2 and "must be >= 1" in proc.stderr
 
 
 def test_context_policies_on_a_llama(tmp_path):

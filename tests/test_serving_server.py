@@ -105,6 +105,29 @@ def test_streaming_gives_the_same_text_in_pieces(client, model):
     assert chunks[-1].usage.completion_tokens == 30
 
 
+def test_streamed_events_that_are_ready_together_go_out_in_one_write(client, monkeypatch):
+    # n=4 greedy choices of one prompt, and a slow network: each write takes 0.2 s, while
+    # the engine makes a step in milliseconds, so events queue up behind a write and the
+    # next write takes every one that is ready
+    import asyncio
+    from aiohttp import web
+    writes = []
+    write = web.StreamResponse.write
+
+    async def counted(self, data):
+        writes.append(data.count(b"data: "))
+        await asyncio.sleep(0.2)
+        return await write(self, data)
+    monkeypatch.setattr(web.StreamResponse, "write", counted)
+    stream = client.completions.create(model=NAME, prompt="Once", max_tokens=20, n=4, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(4)]
+    assert len(set(texts)) == 1 and len(texts[0]) > 0  # greedy: four times the same text
+    assert sum(writes) == len(chunks) + 1  # every event written once, [DONE] included
+    assert len(writes) < len(chunks) / 2
+
+
 def test_n_samples_with_a_seed_are_different_and_reproducible(client):
     def draw(seed):
         r = client.completions.create(model=NAME, prompt="abc", max_tokens=15, n=3, seed=seed,

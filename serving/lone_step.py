@@ -1,0 +1,71 @@
+"""
+A request alone: its decode steps through the compiled step, not the paged engine.
+
+The engine's step is built for many sequences: block tables, slots and masks made in
+Python every step, a paged kernel behind torch.compile's guards, attention reading each key
+through a table. For one sequence all of it is overhead: a lone user waited almost twice as
+long per token as generate.py --compile makes one (docs/serving.md). So when a decode step's
+batch is one request, the engine hands it to a LoneStep instead, which runs
+generation/compiled_step.py's static step (built ahead of time, once, at start-up) on a
+dense cache of one row:
+
+    pool (paged, every request)          dense cache (one row, the lone request's)
+    [A0 A1 ... A15][A16 ... A31][A32 .]   [A0 A1 ... A32 | A33 ...]
+                                 ^                         |
+                                 +---- each new column ----+  (mirrored, one copy a step)
+
+  - entering: the request's cached columns are gathered from the pool into the dense cache
+    (one copy), unless the dense cache already holds them (the previous step was this
+    request's too);
+  - each step: the compiled step writes the new key and value into the dense cache, and
+    the same column is copied to the request's slot in the pool, so the pool always holds
+    everything: when a second request arrives, the next step is the engine's own, with
+    nothing to hand back; prefix hits on the request's blocks stay right;
+  - the step returns logits (not tokens): the engine samples them with the request's own
+    settings and reports log-probabilities as for any other request, so one build serves
+    every request.
+"""
+
+import torch
+
+from generation.compiled_step import compile_for
+from kv_cache import KVCache
+
+
+class LoneStep:
+    """The compiled decode step of one sequence over the engine's pool (the compiled
+    library holds its own copy of the weights: the model's memory once more)."""
+
+    def __init__(self, model, pool):
+        weight = model.lm_head.weight
+        self.cache = KVCache(model.config, 1, weight.device, weight.dtype)
+        # compile_for zeroes the empty buffer (a masked NaN would still poison attention);
+        # every column written later is finite, so it is never zeroed again
+        self.step, self.build_seconds = compile_for(model, self.cache)
+        self.pool = pool
+        self.token = torch.zeros(1, 1, dtype=torch.long, device=weight.device)
+        self.holds = None  # (request, its start) whose first cache.length columns the cache holds
+
+    def decode(self, request):
+        """Feed the request's newest token: its logits (1, V). request: a decoding
+        serving.scheduler.Sequence whose context but the newest token is in the pool."""
+        position = request.context_len - 1  # of the newest token, in the request's context
+        if self.holds != (request, request.start) or self.cache.length != position:
+            self.load(request, position)
+        self.token.fill_(request.tokens[-1])
+        logits = self.step.decode(self.token, self.cache)                       # (1, 1, V)
+        slot = self.slot(request, position)
+        self.pool.kv[:, :, slot] = self.cache.kv[:, :, 0, :, position]        # (n_layer, 2, nh, hd)
+        return logits[:, -1]
+
+    def load(self, request, length):
+        """Copy the request's first `length` context columns from the pool."""
+        slots = torch.tensor([self.slot(request, p) for p in range(length)], dtype=torch.long,
+                             device=self.pool.kv.device)
+        columns = self.pool.kv[:, :, slots]                                     # (n_layer, 2, length, nh, hd)
+        self.cache.kv[:, :, 0, :, :length] = columns.transpose(2, 3)            # (n_layer, 2, nh, length, hd)
+        self.cache.length, self.holds = length, (request, request.start)
+
+    def slot(self, request, position):
+        tokens_per_block = self.pool.tokens_per_block
+        return request.blocks[position // tokens_per_block] * tokens_per_block + position % tokens_per_block

@@ -1,0 +1,173 @@
+"""A request decoding alone goes through the compiled step (serving/lone_step.py), and
+nothing it does differs from the engine's own step: the same tokens as the generation
+loop gives the prompt alone, whoever joins or leaves the batch meanwhile, the pool holding
+every column it wrote (a later request's prefix hits on them give the same tokens), the
+same log-probabilities and seeded samples.
+
+The `builds` fixture runs the exported graph in Python instead of the C++ library
+(tests/test_compiled.py builds a real one): the step's logic, not the compiler, is what
+these tests check. Token equality is exact for greedy decoding: the graph computes the
+eager arithmetic in another order (~1e-6 apart), and argmax flips only at near-ties, which
+these seeds lack."""
+
+import pytest
+import torch
+
+from conftest import byte_tokenizer, tiny_model
+from base_model import GPTConfig
+from generation.loop import generate_tokens
+from serving.engine import Engine, SamplingParams
+
+CONFIG = GPTConfig(context_len=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
+TOKENIZER = byte_tokenizer()
+GREEDY = dict(temperature=0, stop_at_eot=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(CONFIG, seed=3)
+
+
+def prompt_of(n, seed=0):
+    return torch.randint(256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def alone(model, prompt, n):
+    return generate_tokens(model, [prompt], n, vocab_limit=TOKENIZER.n_vocab,
+                           temperature=0)[0].tolist()
+
+
+def generated(request):
+    return request.tokens[request.prompt_len:]
+
+
+def pool_columns(engine, request):
+    """The request's cached keys and values as the pool holds them: (n_layer, 2, positions, nh, hd)."""
+    tpb = engine.pool.tokens_per_block
+    slots = [request.blocks[p // tpb] * tpb + p % tpb for p in range(request.num_cached)]
+    return engine.pool.kv[:, :, slots]
+
+
+def test_a_lone_request_decodes_through_the_compiled_step(model, builds):
+    # 150 tokens: past the context (64) three times, so the request is re-prefilled and the
+    # lone step must reload its cache from the pool at new positions. Its log-probabilities
+    # equal the engine's own step's within 1e-5 (the graph computes the same arithmetic in
+    # another order, ~1e-6 apart): a stale or missing cache column would move them more
+    prompt = prompt_of(5)
+    runs = []
+    for compile in (False, True):
+        engine = Engine(model, TOKENIZER, tokens_per_block=8, compile=compile)
+        outputs = []
+        request = engine.add_request(prompt, SamplingParams(max_tokens=150, logprobs=0, **GREEDY),
+                                     lambda request, output: outputs.append(output))
+        engine.run_until_done()
+        runs.append(outputs)
+    assert len(builds) == 1  # built once, with the engine
+    assert generated(request) == alone(model, prompt, 150)
+    prefills = 4  # the prompt, then a reprefill (to 32 tokens) at 65, 98 and 131 tokens
+    assert engine.lone_steps == 150 - prefills
+    plain, lone = ([o.logprob.logprob for o in outputs] for outputs in runs)
+    assert lone == pytest.approx(plain, abs=1e-5)
+    assert len(engine.pool.free) == engine.pool.num_blocks
+
+
+def test_requests_joining_and_leaving_a_lone_one_change_nothing(model, builds):
+    first, second = prompt_of(7, seed=1), prompt_of(12, seed=2)
+    engines = [Engine(model, TOKENIZER, tokens_per_block=8, compile=c) for c in (False, True)]
+    plain, engine = engines
+    logprobs = {plain: [], engine: []}  # of a's tokens
+    a, plain_a = (e.add_request(first, SamplingParams(max_tokens=40, logprobs=0, **GREEDY),
+                                lambda request, output, e=e: logprobs[e].append(output.logprob.logprob))
+                  for e in (engine, plain))
+    for _ in range(10):  # the prefill, then 9 tokens alone
+        engine.step(), plain.step()
+    assert engine.lone_steps == 9
+    # every column the lone step wrote is in the pool, as the engine's own step writes it
+    # (1e-5: the same arithmetic in another order)
+    torch.testing.assert_close(pool_columns(engine, a), pool_columns(plain, plain_a), rtol=0, atol=1e-5)
+    b = engine.add_request(second, SamplingParams(max_tokens=12, **GREEDY))
+    # b's prefill (a prefill pass: a waits), then 11 steps decoding both: no lone step
+    for _ in range(12):
+        engine.step()
+    assert engine.lone_steps == 9 and b.finish_reason == "length"
+    engine.run_until_done()  # a alone again: its cache reloaded from the pool
+    plain.run_until_done()
+    assert engine.lone_steps == 9 + (40 - 1 - 9 - 11)
+    assert generated(a) == alone(model, first, 40)
+    assert generated(b) == alone(model, second, 12)
+    assert logprobs[engine] == pytest.approx(logprobs[plain], abs=1e-5)
+
+
+def test_columns_the_lone_step_wrote_serve_prefix_hits(model, builds):
+    engine = Engine(model, TOKENIZER, tokens_per_block=8, compile=True)
+    prompt = prompt_of(5, seed=4)
+    a = engine.add_request(prompt, SamplingParams(max_tokens=30, **GREEDY))
+    engine.run_until_done()
+    # a second request sending a's text back: every full block of it is found in the pool,
+    # most of them written by the lone step
+    text = a.tokens
+    b = engine.add_request(text, SamplingParams(max_tokens=10, **GREEDY))
+    engine.run_until_done()
+    assert engine.scheduler.cached_tokens == len(text) // 8 * 8
+    assert generated(b) == alone(model, text, 10)
+
+
+def test_log_probabilities_and_seeded_samples_as_the_engines_own_step(model, builds):
+    # tolerance 1e-5: the compiled graph and the paged step compute the same logits in a
+    # different order (float32 rounding, ~1e-6)
+    params = [SamplingParams(max_tokens=20, logprobs=3, stop_at_eot=False, **kw)
+              for kw in (dict(temperature=0), dict(temperature=0.8, top_k=50, seed=7))]
+    prompt = prompt_of(9, seed=5)
+    results = []
+    for compile in (False, True):
+        engine = Engine(model, TOKENIZER, compile=compile)
+        outputs = {p: [] for p in params}
+        for p in params:  # one at a time, so each decodes alone
+            engine.add_request(prompt, p, lambda request, out: outputs[request.params].append(out))
+            engine.run_until_done()
+        assert engine.lone_steps == (2 * 19 if compile else 0)
+        results.append(outputs)
+    for p in params:
+        plain, lone = results[0][p], results[1][p]
+        assert [o.token for o in lone] == [o.token for o in plain]
+        for x, y in zip(plain, lone):
+            assert y.logprob.logprob == pytest.approx(x.logprob.logprob, abs=1e-5)
+            assert [t for t, _ in y.logprob.top] == [t for t, _ in x.logprob.top]
+
+
+def test_a_lone_request_never_reads_the_previous_ones_cache(model, builds):
+    # x leaves the dense cache holding 5 + 10 - 1 = 14 columns; y's first decoded token is
+    # at column 14 too, but none of x's columns are y's
+    x, y = prompt_of(5, seed=6), prompt_of(14, seed=7)
+    logprobs = []
+    for compile in (False, True):
+        engine = Engine(model, TOKENIZER, compile=compile)
+        engine.add_request(x, SamplingParams(max_tokens=10, **GREEDY))
+        engine.run_until_done()
+        outputs = []
+        engine.add_request(y, SamplingParams(max_tokens=10, logprobs=0, **GREEDY),
+                           lambda request, output: outputs.append(output.logprob.logprob))
+        engine.run_until_done()
+        logprobs.append(outputs)
+    assert engine.lone_steps == 2 * 9
+    assert logprobs[1] == pytest.approx(logprobs[0], abs=1e-5)
+
+
+def test_a_lone_client_of_the_server_is_served_by_the_compiled_step(model, builds):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("aiohttp")
+    from serving.server import BackgroundServer
+    engine = Engine(model, TOKENIZER, tokens_per_block=8, compile=True)
+    engine.start()
+    try:
+        with BackgroundServer(engine, TOKENIZER, "tiny") as url:
+            client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+            prompt = "ROMEO: "
+            stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=20,
+                                               temperature=0, stream=True)
+            text = "".join(chunk.choices[0].text for chunk in stream)
+    finally:
+        engine.stop()
+    ids = TOKENIZER.encode_ordinary(prompt)
+    assert text == TOKENIZER.decode(alone(model, ids, 20))
+    assert engine.lone_steps == 19
