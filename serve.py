@@ -54,8 +54,9 @@ def parse_args():
     p.add_argument("--max-prefill-tokens", type=positive_int, default=2048,
                    help="most padded prompt tokens prefilled in one step (default: 2048)")
     p.add_argument("--attention", choices=["kernel", "gather"], default="kernel",
-                   help="how decode steps read the paged cache: a kernel compiled with "
-                   "torch.compile at start-up (default), or a plain-PyTorch gather")
+                   help="how decode steps run: compiled whole by torch.compile at start-up, a "
+                   "paged attention kernel inside (default), or eager, with a plain-PyTorch "
+                   "gather of the paged cache (starts at once)")
     p.add_argument("--compile", action="store_true",
                    help="a request decoding alone goes through generate.py --compile's step "
                    "(AOTInductor), not the paged engine: faster for one user. Built at start-up "
@@ -149,7 +150,7 @@ def main():
           f"{pool.nbytes() / 2**20:.1f} MiB (room for {contexts:.1f} full contexts)",
           file=sys.stderr)
     if args.attention == "kernel":
-        print("compiling the paged attention kernel (once)...", file=sys.stderr, flush=True)
+        print("compiling the decode step (once: up to a minute)...", file=sys.stderr, flush=True)
     engine.warm_up()
 
     server = BackgroundServer(engine, tokenizer, args.served_model_name, args.host, args.port,

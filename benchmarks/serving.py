@@ -408,7 +408,7 @@ def main():
                    "(default: serve.py's, room for --max-batch full contexts, at most 1 GiB)")
     p.add_argument("--tokens-per-block", type=positive_int, default=16, help="default: 16")
     p.add_argument("--attention", choices=["kernel", "gather"], default="kernel",
-                   help="how the engine's decode steps read the pool (default: kernel)")
+                   help="how the engine's decode steps run: compiled whole, the paged kernel inside (default: kernel), or eager with a gather")
     p.add_argument("--compile", action="store_true",
                    help="the engine as serve.py --compile runs it: a request decoding alone goes "
                    "through the compiled step (built once, before any measurement)")

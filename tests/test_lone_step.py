@@ -13,14 +13,9 @@ these seeds lack."""
 import pytest
 import torch
 
-from conftest import byte_tokenizer, tiny_model
-from base_model import GPTConfig
-from generation.loop import generate_tokens
+from conftest import tiny_model
 from serving.engine import Engine, SamplingParams
-
-CONFIG = GPTConfig(context_len=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
-TOKENIZER = byte_tokenizer()
-GREEDY = dict(temperature=0, stop_at_eot=False)
+from test_serving_engine import CONFIG, GREEDY, TOKENIZER, alone, random_prompts  # the engine tests'
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +24,7 @@ def model():
 
 
 def prompt_of(n, seed=0):
-    return torch.randint(256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def alone(model, prompt, n):
-    return generate_tokens(model, [prompt], n, vocab_limit=TOKENIZER.n_vocab,
-                           temperature=0)[0].tolist()
+    return random_prompts([n], seed)[0]
 
 
 def generated(request):
@@ -63,7 +53,7 @@ def test_a_lone_request_decodes_through_the_compiled_step(model, builds):
         engine.run_until_done()
         runs.append(outputs)
     assert len(builds) == 1  # built once, with the engine
-    assert generated(request) == alone(model, prompt, 150)
+    assert generated(request) == alone(model, prompt, 150, temperature=0)
     prefills = 4  # the prompt, then a reprefill (to 32 tokens) at 65, 98 and 131 tokens
     assert engine.lone_steps == 150 - prefills
     plain, lone = ([o.logprob.logprob for o in outputs] for outputs in runs)
@@ -93,8 +83,8 @@ def test_requests_joining_and_leaving_a_lone_one_change_nothing(model, builds):
     engine.run_until_done()  # a alone again: its cache reloaded from the pool
     plain.run_until_done()
     assert engine.lone_steps == 9 + (40 - 1 - 9 - 11)
-    assert generated(a) == alone(model, first, 40)
-    assert generated(b) == alone(model, second, 12)
+    assert generated(a) == alone(model, first, 40, temperature=0)
+    assert generated(b) == alone(model, second, 12, temperature=0)
     assert logprobs[engine] == pytest.approx(logprobs[plain], abs=1e-5)
 
 
@@ -109,7 +99,7 @@ def test_columns_the_lone_step_wrote_serve_prefix_hits(model, builds):
     b = engine.add_request(text, SamplingParams(max_tokens=10, **GREEDY))
     engine.run_until_done()
     assert engine.scheduler.cached_tokens == len(text) // 8 * 8
-    assert generated(b) == alone(model, text, 10)
+    assert generated(b) == alone(model, text, 10, temperature=0)
 
 
 def test_log_probabilities_and_seeded_samples_as_the_engines_own_step(model, builds):
@@ -169,5 +159,5 @@ def test_a_lone_client_of_the_server_is_served_by_the_compiled_step(model, build
     finally:
         engine.stop()
     ids = TOKENIZER.encode_ordinary(prompt)
-    assert text == TOKENIZER.decode(alone(model, ids, 20))
+    assert text == TOKENIZER.decode(alone(model, ids, 20, temperature=0))
     assert engine.lone_steps == 19
