@@ -335,13 +335,7 @@ def print_section(s):
     lookup = s["prompt_lookup"]
     print(f"\n## Speculative decoding: prompt lookup ({lookup['prompts']} held-out prompts of "
           f"{lookup['prompt_tokens']} tokens, {lookup['tokens']} new tokens each, greedy)")
-    print("| contestant | tok/s | speedup over its own plain | tokens equal to ours plain | "
-          "accepted / proposed | tokens per verification |")
-    print("|---|---|---|---|---|---|")
-    for name, row in lookup["rows"].items():
-        print_row(name, row)
-    for note in lookup["notes"]:
-        print(f"({note})")
+    print_contestants(lookup)
     draft = s["draft"]
     if "note" in draft:
         print(f"\n(draft model: {draft['note']})")
@@ -349,13 +343,7 @@ def print_section(s):
     t = draft["step_ms"]
     print(f"\n## Speculative decoding: a draft model ({draft['draft_params_m']:.2f}M params), K = "
           f"{', '.join(map(str, draft['ks']))}")
-    print("| contestant | tok/s | speedup over its own plain | tokens equal to ours plain | "
-          "accepted / proposed | tokens per verification |")
-    print("|---|---|---|---|---|---|")
-    for name, row in draft["rows"].items():
-        print_row(name, row)
-    for note in draft["notes"]:
-        print(f"({note})")
+    print_contestants(draft)
     print(f"\nThe cost model: step times at {draft['prompt_tokens']} cached tokens, batch 1: the model "
           f"{t['model_ms']:.2f} ms, the draft {t['draft_ms']:.2f} ms ({t['draft_ms'] / t['model_ms']:.2f} "
           "of the model's)")
@@ -366,6 +354,17 @@ def print_section(s):
         print(f"| {k} | {t['verify_ms'][k]:.2f} | {row['tokens_per_verification']:.2f} | "
               f"{row['acceptance_from_E']:.2f} | {row['predicted_speedup']:.2f}x | "
               f"{row['speedup_over_own_plain']:.2f}x |")
+
+
+def print_contestants(table):
+    """One section's contestants (prompt lookup's or the draft's), a row each, then its notes."""
+    print("| contestant | tok/s | speedup over its own plain | tokens equal to ours plain | "
+          "accepted / proposed | tokens per verification |")
+    print("|---|---|---|---|---|---|")
+    for name, row in table["rows"].items():
+        print_row(name, row)
+    for note in table["notes"]:
+        print(f"({note})")
 
 
 def print_row(name, row):

@@ -57,6 +57,16 @@ def tiny_model(config, seed=0, cls=KVCacheGPT):
     return cls(config).eval()
 
 
+def spread_out(model, std):
+    """model with its matrices drawn again at a larger std: random tiny models give nearly
+    equal logits, and greedy text then flips between near-ties; spread out, it does not."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, std)
+    return model
+
+
 @pytest.fixture(params=range(len(TINY_CONFIGS)), ids=["4heads", "3heads-nobias"])
 def config(request):
     return TINY_CONFIGS[request.param]

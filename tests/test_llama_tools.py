@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import byte_tokenizer, byte_tokenizer_spec, run_script
+from conftest import byte_tokenizer, byte_tokenizer_spec, run_script, spread_out, tiny_model
 from generation.loop import generate_tokens
 from kv_cache import CACHED_MODELS, KVCacheLlama
 from kv_quant import cache_bytes
@@ -26,13 +26,7 @@ CONFIG = LlamaConfig(context_len=48, vocab_size=260, n_layer=2, n_head=4, n_kv_h
 
 
 def tiny_llama(config=CONFIG, seed=0):
-    torch.manual_seed(seed)
-    model = KVCacheLlama(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)  # spread-out logits: no greedy near-ties
-    return model
+    return spread_out(tiny_model(config, seed, KVCacheLlama), 0.2)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from base_model import GPTConfig
-from conftest import tiny_model
+from conftest import spread_out, tiny_model
 from generation.loop import Generation, GenerationStats, generate_tokens
 from kv_cache import KVCacheLlama
 from llama import LlamaConfig, rotate
@@ -29,13 +29,7 @@ SINKS = 4
 
 
 def random_llama(seed=0):
-    torch.manual_seed(seed)
-    model = KVCacheLlama(CONFIG).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3)  # logits spread out: no near-ties in greedy text
-    return model
+    return spread_out(tiny_model(CONFIG, seed, KVCacheLlama), 0.3)
 
 
 @torch.no_grad()

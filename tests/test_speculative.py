@@ -354,10 +354,17 @@ def test_the_bundled_model_and_its_bundled_draft():
             "--max-new-tokens", "48", "--ignore-eot", "--json"]
     plain = json.loads(run_script("generate.py", *args).stdout)
     for proposer in (["--prompt-lookup", "3"], ["--draft", draft]):
-        proc = run_script("generate.py", *args, "--speculate", "4", *proposer)
-        assert proc.returncode == 0, proc.stderr
-        fast = json.loads(proc.stdout)
-        assert fast["texts"] == plain["texts"]
-        spec = fast["stats"]["speculative"]
-        assert 0 < spec["accepted"] <= spec["proposed"]
-        assert fast["stats"]["forward_passes"] < plain["stats"]["forward_passes"]
+        assert_speculation_keeps_the_text(args, plain, proposer)
+
+
+def assert_speculation_keeps_the_text(args, plain, proposer):
+    """generate.py args (greedy, --json) with --speculate 4 and proposer gives plain (the
+    same run's JSON without speculation) its texts, accepting some proposals, in fewer
+    forward passes."""
+    proc = run_script("generate.py", *args, "--speculate", "4", *proposer)
+    assert proc.returncode == 0, proc.stderr
+    fast = json.loads(proc.stdout)
+    assert fast["texts"] == plain["texts"]
+    spec = fast["stats"]["speculative"]
+    assert 0 < spec["accepted"] <= spec["proposed"]
+    assert fast["stats"]["forward_passes"] < plain["stats"]["forward_passes"]
