@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from base_model import GPT, GPTConfig, store_linears_column_major
 from benchmarks.timing import repeat, spread
+from generation.cpu_layout import pack_linears
 from generation.loop import Generation, synchronize
 from kv_cache import KVCacheGPT
 from kv_quant import cache_bytes
@@ -30,7 +31,7 @@ KINDS = {  # how a generation runs: naive, or the cached loop with a cache kind
 
 def random_model(shape, device, seed=0):
     torch.manual_seed(seed)
-    return store_linears_column_major(KVCacheGPT(SHAPES[shape]).to(device).eval())
+    return pack_linears(store_linears_column_major(KVCacheGPT(SHAPES[shape]).to(device).eval()))
 
 
 def step_times(model, kind, prompt, n):

@@ -44,6 +44,7 @@ import torch  # noqa: E402
 from base_model import GPTConfig, store_linears_column_major  # noqa: E402
 from benchmarks.load_test import LoadTestError, load_test, load_test_summary, summary  # noqa: E402
 from benchmarks.timing import repeat, timed  # noqa: E402
+from generation.cpu_layout import pack_linears  # noqa: E402
 from generation.loop import Generation  # noqa: E402
 from kv_cache import CACHED_MODELS, KVCache, KVCacheGPT  # noqa: E402
 from kv_quant import dtype_name  # noqa: E402
@@ -445,7 +446,7 @@ def main():
     if args.shape:
         torch.manual_seed(args.seed)
         device = torch.device("cpu" if args.device == "auto" else args.device)
-        model = store_linears_column_major(KVCacheGPT(SHAPES[args.shape]).to(device).eval())
+        model = pack_linears(store_linears_column_major(KVCacheGPT(SHAPES[args.shape]).to(device).eval()))
         name = f"{args.shape} shape (random weights)"
         tokenizer = CountingTokenizer(model.config.vocab_size)
     else:

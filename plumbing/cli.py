@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from base_model import store_linears_column_major
+from generation.cpu_layout import pack_linears
 from generation.speculative import DraftModel, PromptLookup
 from kv_quant import FLOAT_DTYPES
 from plumbing.checkpoint import load_model
@@ -122,8 +123,10 @@ def load_source(classes, ckpt=None, hf=None, device="cpu", dtype=torch.float32, 
 def prepare_for_generation(model, args):
     """What every model a script generates from goes through after loading (the naive twin
     of a comparison too, so that both loops run the same weights the same way): the
-    decode-speed weight layout (base_model.store_linears_column_major), then --quantize."""
-    return quantize_from_args(store_linears_column_major(model), args)
+    decode-speed weight layout (base_model.store_linears_column_major), --quantize, then
+    the Linears left in float32 on the CPU packed for oneDNN (generation/cpu_layout.py:
+    batches, prefills and the serving engine's steps)."""
+    return pack_linears(quantize_from_args(store_linears_column_major(model), args))
 
 
 def quantize_from_args(model, args):

@@ -151,7 +151,9 @@ class Engine:
         (eager, plain PyTorch: the pool gathered for SDPA; paged_cache.py compares).
         limits: admission.Limits (default: its defaults).
         compile: a request decoding alone goes through the compiled step (lone_step.py),
-        built here (seconds to minutes, and a copy of the weights)."""
+        built here (seconds to minutes, and a copy of the weights); and the decode step of
+        a batch is compiled with the weights frozen into it (paged_attention.py: faster
+        matmuls). Both hold the weights as they were: change none while the engine serves."""
         if attention not in ("kernel", "gather"):
             raise ValueError(f"attention must be 'kernel' or 'gather', got {attention!r}")
         self.model, self.tokenizer = model, tokenizer
@@ -278,7 +280,7 @@ class Engine:
         positions = (S - 1 - pad)[:, None]                                 # (B, 1): the fed column's
         visible = columns[None, :] >= pad[:, None]                         # (B, S): not padding
         return compiled_decode_step(self.model, tokens, positions, self.pool.kv, cache.read_slots,
-                                    cache.write_slots, visible)
+                                    cache.write_slots, visible, freeze=self.lone is not None)
 
     @staticmethod
     def decodes_alone(batch):

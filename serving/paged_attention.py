@@ -83,10 +83,17 @@ def decode_step(model, tokens, positions, kv, read_slots, write_slots, visible):
     return model.head(x)[:, -1]
 
 
-_compiled = None  # decode_step compiled, once per process
+def frozen_decode_step(model, tokens, positions, kv, read_slots, write_slots, visible):
+    """decode_step, as a function of its own: torch.compile keeps the graphs it makes per
+    function, and these (the weights frozen in) must not be found for a call without."""
+    return decode_step(model, tokens, positions, kv, read_slots, write_slots, visible)
 
 
-def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, visible):
+_compiled = {}  # freeze -> the step compiled (torch.compile's wrapper, made once per process)
+GRAPH_LIMIT = 64  # graphs of the frozen step per process: two per model (see below)
+
+
+def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, visible, freeze=False):
     """decode_step compiled whole by torch.compile (the first calls compile: seconds to a
     minute): the model's matmuls, the small operations between them and the paged
     attention of every layer in one graph, where eager PyTorch runs each as its own call.
@@ -94,12 +101,25 @@ def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, 
     compiled as variables, so one graph serves every step (and one more for a batch of 1:
     compile makes sizes 0 and 1 constants). The rest (heads, head size, the pool) stay
     constants, which lets the C++ unroll the loop over a head's values; dynamic=True would
-    make every size a variable."""
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(decode_step, fullgraph=True)
+    make every size a variable.
+
+    freeze=True (the engine's compile option) compiles it with freezing: the weights
+    become constants of the graph, so inductor lays each Linear's weight out once for
+    oneDNN's matmul (its blocked layout; generation/cpu_layout.py does the same for eager
+    calls) instead of calling MKL, which packs the weight again on every call: 1.3-2.8x per
+    matmul at 16-64 rows on this project's CPU, and about 2x on the GPT-2-small-shape
+    server's 64-request load (docs/serving.md). The price: the graph keeps the weights it
+    was compiled with, so a model's weights must not change while an engine serves it,
+    and each model is a graph of its own (compiled again for every model: tens of seconds
+    more per engine in a process that makes many, hence not the default). A server
+    compiles two; the limit of graphs per function is raised for processes that make many
+    engines. Both options are read when a graph is compiled, inside the call: hence the
+    patch around it (torch.compile's options= does not reach freezing)."""
+    if freeze not in _compiled:
+        _compiled[freeze] = torch.compile(frozen_decode_step if freeze else decode_step, fullgraph=True)
     for tensor in (tokens, positions, read_slots, write_slots, visible):
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
     for tensor in (read_slots, visible):
         torch._dynamo.maybe_mark_dynamic(tensor, 1)
-    return _compiled(model, tokens, positions, kv, read_slots, write_slots, visible)
+    with torch._inductor.config.patch(freezing=freeze), torch._dynamo.config.patch(recompile_limit=GRAPH_LIMIT):
+        return _compiled[freeze](model, tokens, positions, kv, read_slots, write_slots, visible)

@@ -161,3 +161,22 @@ def test_a_lone_client_of_the_server_is_served_by_the_compiled_step(model, build
     ids = TOKENIZER.encode_ordinary(prompt)
     assert text == TOKENIZER.decode(alone(model, ids, 20, temperature=0))
     assert engine.lone_steps == 19
+
+
+def test_with_compile_the_batch_step_has_the_weights_frozen_in_and_the_same_tokens(builds):
+    # Engine(compile=True) also compiles the batched decode step with freezing
+    # (paged_attention.py): inductor packs every Linear's weight for oneDNN. A model of its
+    # own: the frozen graph is compiled for it here, and its weights are constants in it.
+    from torch._dynamo.utils import counters
+    model = tiny_model(CONFIG, seed=5)
+    prompts = [prompt_of(6, seed=6), prompt_of(11, seed=7)]
+    counters["inductor"].clear()
+    engines = [Engine(model, TOKENIZER, tokens_per_block=8, compile=c) for c in (False, True)]
+    requests = {e: [e.add_request(p, SamplingParams(max_tokens=20, **GREEDY)) for p in prompts] for e in engines}
+    for e in engines:
+        e.run_until_done()
+    plain, frozen = (requests[e] for e in engines)
+    # the 4 Linears of each of the 2 blocks and the lm_head: 9 weights packed in the graph
+    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] >= 9
+    for p, f, prompt in zip(plain, frozen, prompts):
+        assert generated(f) == generated(p) == alone(model, prompt, 20, temperature=0)

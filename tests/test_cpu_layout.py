@@ -1,0 +1,111 @@
+"""generation/cpu_layout.py: Linears packed once for oneDNN compute what nn.Linear does,
+look like nn.Linear to everything else, and follow their weight when it changes.
+
+Tolerances: oneDNN and MKL add up the same products in different orders; in float32 that
+moves a sum of 32-768 terms of these sizes by ~1e-6 relative, so 1e-5 (rtol and atol) holds
+with room and would still catch a wrong weight (errors of order 1)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import TINY_CONFIGS, tiny_model
+from generation.cpu_layout import PackedLinear, pack_linears
+from weight_quant import Int8Linear, quantize_model
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                reason="this torch has no oneDNN: pack_linears leaves models as they are")
+
+
+def linear(out_features, in_features, bias=True, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 64])
+@pytest.mark.parametrize("bias", [True, False])
+@torch.no_grad()  # as generation runs: with gradients wanted the layer is F.linear (the last test)
+def test_packed_linear_computes_what_nn_linear_does(rows, bias):
+    lin = linear(96, 48, bias)
+    packed = PackedLinear(lin)
+    for shape in [(rows, 48), (2, rows, 48)]:  # 2-D and batched 3-D inputs
+        x = torch.randn(shape)
+        y = packed(x)
+        assert y.shape == (*shape[:-1], 96)
+        torch.testing.assert_close(y, lin(x), rtol=1e-5, atol=1e-5)
+    assert packed.packed is not None  # the oneDNN path ran, not the fallback
+
+
+def test_a_model_packs_every_float32_linear_and_keeps_its_state_dict_and_tie():
+    model = tiny_model(TINY_CONFIGS[0])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pack_linears(model)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is PackedLinear for m in linears)
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_greedy_tokens_and_logits_as_before_packing():
+    model = tiny_model(TINY_CONFIGS[1])  # no biases
+    packed = pack_linears(copy.deepcopy(model))
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(prompt)[0], model(prompt)[0], rtol=1e-5, atol=1e-5)
+    # measured: 60 of 60 greedy tokens the same on both tiny configs
+    assert torch.equal(packed.generate(prompt, 60, temperature=0), model.generate(prompt, 60, temperature=0))
+
+
+@torch.no_grad()
+def test_a_weight_changed_after_packing_is_packed_again():
+    lin = linear(32, 16)
+    packed = PackedLinear(lin)
+    x = torch.randn(4, 16)
+    packed(x)  # packs the weight as it is now
+    lin.weight.mul_(2)  # in place: the Parameter is shared
+    torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+    packed.load_state_dict({"weight": torch.zeros(32, 16), "bias": torch.ones(32)})
+    torch.testing.assert_close(packed(x), torch.ones(4, 32))
+    lin.weight.data = torch.randn(32, 16)  # a new tensor, as .to() makes
+    torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_deepcopy_of_a_packed_model():
+    model = pack_linears(tiny_model(TINY_CONFIGS[0]))
+    prompt = torch.tensor([[1, 2, 3]])
+    expected = model.generate(prompt, 10, temperature=0)  # packs every Linear
+    clone = copy.deepcopy(model)  # oneDNN's tensors cannot be copied: the clone repacks
+    assert torch.equal(clone.generate(prompt, 10, temperature=0), expected)
+
+
+@torch.no_grad()
+def test_other_dtypes_quantized_layers_and_compiled_graphs_use_the_plain_weight():
+    model = tiny_model(TINY_CONFIGS[0])
+    quantize_model(model, "int8")
+    pack_linears(model)
+    assert not any(type(m) is PackedLinear for m in model.modules())  # every Linear was quantized
+    assert any(isinstance(m, Int8Linear) for m in model.modules())
+    lin = linear(32, 16)
+    half = pack_linears(nn.Sequential(copy.deepcopy(lin).to(torch.bfloat16)))
+    assert type(half[0]) is nn.Linear  # bf16: oneDNN's layout is packed for float32 only
+    packed = PackedLinear(lin)
+    x = torch.randn(3, 16)
+    compiled = torch.compile(packed, fullgraph=True)  # traces the F.linear branch
+    torch.testing.assert_close(compiled(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert packed.packed is None  # the compiled graph never called the eager path
+
+
+def test_gradients_flow_to_the_weight_as_through_nn_linear():
+    # training a packed model: the packed copy is not the Parameter, so F.linear is used
+    lin = linear(8, 4)
+    packed = PackedLinear(copy.deepcopy(lin))
+    x = torch.randn(5, 4)
+    assert not packed.packed_copy_applies(x)
+    lin(x).square().sum().backward()
+    packed(x).square().sum().backward()
+    torch.testing.assert_close(packed.weight.grad, lin.weight.grad)
+    torch.testing.assert_close(packed.bias.grad, lin.bias.grad)
