@@ -11,7 +11,6 @@ attention's few FLOPs left out) against the rate a large fp32 matmul reaches in 
 run (the machine's practical peak, MKL's).
 """
 
-import sys
 import time
 
 from plumbing.script import begin, run
@@ -79,7 +78,7 @@ def main():
     from benchmarks.cache_cost import SHAPES, random_model
     from benchmarks.report import print_batches
     from plumbing.cli import ArgumentParser, positive_int, positive_int_list
-    from plumbing.outputs import check_output_path, json_text, write_atomically
+    from plumbing.outputs import check_output_path, publish_result
 
     p = ArgumentParser(description="Batches of different prompts decoded together: aggregate "
                        "tok/s, and the matmuls' FLOP/s against the machine's peak (see the "
@@ -95,10 +94,7 @@ def main():
         check_output_path(args.json, "json")
     result = batch_throughput(random_model(args.shape, "cpu"), f"{args.shape} shape", args.sizes,
                               args.tokens, args.reps)
-    result["command"] = " ".join(["python -m benchmarks.batching", *sys.argv[1:]])
-    print_batches([result])
-    if args.json:
-        write_atomically(args.json, json_text(result, generator="benchmarks.batching", indent=1))
+    publish_result(result, "benchmarks.batching", lambda r: print_batches([r]), args.json)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ given beside them for reference. A GPT-2 model has learned positions: reprefill 
 
 import math
 import statistics
-import sys
 import time
 
 from plumbing.script import begin, run
@@ -39,7 +38,7 @@ from generation.loop import Generation, check_context_policy  # noqa: E402
 from kv_cache import CACHED_MODELS  # noqa: E402
 from plumbing.checkpoint import ROOT  # noqa: E402
 from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
-from plumbing.outputs import check_output_path, json_text, write_atomically  # noqa: E402
+from plumbing.outputs import check_output_path, publish_result  # noqa: E402
 from plumbing.user_text import encode_text  # noqa: E402
 
 HELDOUT = ROOT / "checkpoints" / "shakespeare" / "heldout.txt"
@@ -146,10 +145,8 @@ def main():
     model, tokenizer, _ = load_from_args(CACHED_MODELS, args)
     from generate import read_text
     result = context_policies(model, tokenizer, read_text(args.text, "--text"), args.multiple, args.reps)
-    result["command"] = " ".join(["python -m benchmarks.context_policy", *sys.argv[1:]])
-    print_context_policies(result, args.ckpt or args.hf or "the default checkpoint")
-    if args.json:
-        write_atomically(args.json, json_text(result, generator="benchmarks.context_policy", indent=1))
+    publish_result(result, "benchmarks.context_policy",
+                   lambda r: print_context_policies(r, args.ckpt or args.hf or "the default checkpoint"), args.json)
 
 
 if __name__ == "__main__":

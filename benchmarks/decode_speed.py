@@ -21,7 +21,6 @@ says whether each one computes the same thing.
 
 import contextlib
 import copy
-import sys
 import time
 
 from plumbing.script import begin, run
@@ -162,7 +161,7 @@ def main():
     from kv_cache import CACHED_MODELS
     from plumbing.checkpoint import BUNDLED, load_model
     from plumbing.cli import ArgumentParser, positive_int
-    from plumbing.outputs import check_output_path, json_text, write_atomically
+    from plumbing.outputs import check_output_path, publish_result
 
     p = ArgumentParser(description="The decode-speed table of benchmark.py alone: ours in each "
                        "form beside llama.cpp f32, f16, q8_0 and q4_0 on identical weights, on the "
@@ -183,10 +182,7 @@ def main():
     result = decode_speed(models, args.tokens, args.reps, floors,
                           compile_note="compiled rows left out (--no-compile)" if args.no_compile else None,
                           llama_cpp_note=llama_cpp_missing())
-    result["command"] = " ".join(["python -m benchmarks.decode_speed", *sys.argv[1:]])
-    print_decode_speed(result)
-    if args.json:
-        write_atomically(args.json, json_text(result, generator="benchmarks.decode_speed", indent=1))
+    publish_result(result, "benchmarks.decode_speed", print_decode_speed, args.json)
 
 
 if __name__ == "__main__":

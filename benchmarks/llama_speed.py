@@ -22,8 +22,6 @@ difference between two is how far each gets from its floor (our int8/int4 Linear
 bfloat16 around torch's CPU kernels; llama.cpp's kernels read its blocks directly).
 """
 
-import sys
-
 from plumbing.script import begin, run
 
 if __name__ == "__main__":  # run as a command; importing this file changes nothing
@@ -39,7 +37,7 @@ from benchmarks.report import print_decode_speed  # noqa: E402
 from kv_cache import KVCacheLlama  # noqa: E402
 from llama import LlamaConfig  # noqa: E402
 from plumbing.cli import ArgumentParser, positive_int  # noqa: E402
-from plumbing.outputs import check_output_path, json_text, write_atomically  # noqa: E402
+from plumbing.outputs import check_output_path, publish_result  # noqa: E402
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -89,10 +87,7 @@ def main():
     if args.json is not None:
         check_output_path(args.json, "json")
     result = llama_speed(args.shape, args.tokens, args.reps, torch.device("cpu"))
-    result["command"] = " ".join(["python -m benchmarks.llama_speed", *sys.argv[1:]])
-    print_decode_speed(result)
-    if args.json:
-        write_atomically(args.json, json_text(result, generator="benchmarks.llama_speed", indent=1))
+    publish_result(result, "benchmarks.llama_speed", print_decode_speed, args.json)
 
 
 if __name__ == "__main__":

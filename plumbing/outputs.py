@@ -20,6 +20,7 @@ import re
 import resource
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 from contextlib import contextmanager
@@ -267,3 +268,13 @@ def json_text(obj, generator=None, **dumps_args):
     if generator is not None:
         obj = {"generator": f"{MARK} {generator}", **obj}
     return json.dumps(finite_or_none(obj), allow_nan=False, **dumps_args)
+
+
+def publish_result(result, module, print_table, json_path=None):
+    """The end of a benchmark command run as `python -m <module>`: record the command line
+    that produced result (result["command"], which the docs quote), print its table, and
+    write it as JSON when json_path was asked for."""
+    result["command"] = " ".join([f"python -m {module}", *sys.argv[1:]])
+    print_table(result)
+    if json_path:
+        write_atomically(json_path, json_text(result, generator=module, indent=1))

@@ -107,8 +107,8 @@ def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, 
     become constants of the graph, so inductor lays each Linear's weight out once for
     oneDNN's matmul (its blocked layout; generation/cpu_layout.py does the same for eager
     calls) instead of calling MKL, which packs the weight again on every call: 1.3-2.8x per
-    matmul at 16-64 rows on this project's CPU, and about 2x on the GPT-2-small-shape
-    server's 64-request load (docs/serving.md). The price: the graph keeps the weights it
+    matmul at 16-64 rows on this project's CPU; the GPT-2-small-shape server under 64
+    requests went from 0.93x to 1.38x llama-server's throughput (docs/serving.md). The price: the graph keeps the weights it
     was compiled with, so a model's weights must not change while an engine serves it,
     and each model is a graph of its own (compiled again for every model: tens of seconds
     more per engine in a process that makes many, hence not the default). A server
