@@ -386,15 +386,16 @@ class CachedModel:
         mask.diagonal(offset=past_len, dim1=1, dim2=2).fill_(True)  # each query sees itself
         return mask[:, None]                                        # (B, 1, T, S): all heads
 
-    def new_cache(self, batch_size, kind=None, pad=None):
+    def new_cache(self, batch_size, kind=None, pad=None, max_len=None):
         """An empty cache for batch_size rows on the model's device: the preallocated KVCache
         storing keys and values in the model's dtype (kind None) or as `kind`, a name in
         kv_quant.KV_DTYPES; kind "cat" is the seed's torch.cat cache. pad: the rows' left
-        padding, for a batch of prompts of different lengths."""
+        padding, for a batch of prompts of different lengths. max_len: the positions the
+        preallocated cache holds (default: the whole context)."""
         if kind == "cat":
             return ConcatCache(self.config.n_layer, pad=pad)
         p = self.lm_head.weight
-        return KVCache(self.config, batch_size, p.device, p.dtype, kv_dtype=kind, pad=pad)
+        return KVCache(self.config, batch_size, p.device, p.dtype, max_len=max_len, kv_dtype=kind, pad=pad)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,

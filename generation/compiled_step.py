@@ -12,16 +12,19 @@ But a graph holds fixed shapes. The eager step's shapes change every step (the c
 holds one more column, the mask and positions slice moves), and a graph keyed on them
 recompiles each time: that is why compiling KVCacheGPT.forward as it is made decoding 7x
 slower. Here every shape is fixed for the whole generation:
-  - the cache is the preallocated KVCache, context_len columns, and attention reads all of
-    them, with a mask that hides the columns not written yet (and any left padding);
+  - the cache is the preallocated KVCache, as many columns as the generation can reach
+    (generation/loop.py's cache_columns), and attention reads all of them, with a mask that
+    hides the columns not written yet (and any left padding);
   - the step's position is a tensor, not a Python int: the write index for the new key and
     value (index_put_ at that column) and the row of the position table it looks up (for
     a Llama-family model, the rotary angles it computes).
 A step may also feed a fixed number T > 1 of tokens per row (speculative decoding verifies
 its proposals in one such step: generation/speculative.py): T is part of the shape, so each
 T is a graph of its own; that step hands back logits, for the proposer's verification.
-Reading the whole buffer costs a little (the bundled model's full cache is 3 MB against
-23 MB of weights; GPT-2's 75 MB against 494 MB): less than what compiling removes.
+Reading the whole buffer costs its bytes every step, which is why the loop sizes it to the
+generation instead of the whole context: at GPT-2 small a 1024-column cache is 75 MB, more
+than half of the int8 weights' bytes; sized to 256 columns the int8 step made 89 tokens/s
+instead of 60 (docs/benchmarks.md).
 
 Ahead of time, not just in time: torch.compile's result runs Python on every call (guards
 that check the inputs still match the graph, a wrapper around it), a fixed cost per step

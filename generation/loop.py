@@ -43,6 +43,7 @@ from sample import check_sampling_args, sample
 
 CONTEXT_POLICIES = ("reprefill", "sinks")
 DEFAULT_SINKS = 4  # StreamingLLM's: four initial tokens are enough to hold attention's excess
+CACHE_COLUMNS_STEP = 256  # a cache's length is rounded up to this: nearby lengths share a compiled step
 
 
 @dataclass
@@ -207,7 +208,8 @@ class Generation:
         t0 = time.perf_counter()
         device = self.model.lm_head.weight.device
         tokens, pad = left_pad(self.prompts, self.context_len, device)
-        cache = self.model.new_cache(tokens.size(0), self.cache_kind, pad)
+        columns = cache_columns(tokens.size(1) + self.max_new_tokens + self.speculate, self.context_len)
+        cache = self.model.new_cache(tokens.size(0), self.cache_kind, pad, max_len=columns)
         logits = self.run_pass(tokens, cache)
         if self.num_samples > 1:  # one prefill, shared: copy its cache and logits to every sample
             rows = torch.arange(tokens.size(0), device=device).repeat_interleave(self.num_samples)
@@ -386,6 +388,17 @@ def generate_tokens(model, prompts, max_new_tokens, **options):
         out[rows, given[rows]] = tokens
         given[rows] += 1
     return out
+
+
+def cache_columns(needed, context_len):
+    """Positions a generation's cache holds: the `needed` ones it can reach (its prompt, its
+    new tokens and a speculative step's proposals past the last), rounded up to a multiple
+    of CACHE_COLUMNS_STEP, at most the context (a longer generation moves within a full
+    cache: the context policies). Why not always the whole context: the compiled step
+    attends over every column of the buffer, the unwritten ones masked, and at GPT-2 small
+    a 1024-column cache is 75 MB read per token, more than half the bytes of its int8
+    weights (docs/benchmarks.md)."""
+    return min(context_len, -(-needed // CACHE_COLUMNS_STEP) * CACHE_COLUMNS_STEP)
 
 
 def left_pad(prompts, context_len, device):

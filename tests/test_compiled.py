@@ -14,8 +14,10 @@ import torch
 
 from base_model import GPTConfig
 from conftest import tiny_model
+from generation import loop
 from generation.loop import Generation, GenerationStats, generate_tokens
 from kv_cache import KVCache
+from kv_quant import cache_bytes
 from sample import probabilities
 
 CONFIG = GPTConfig(context_len=32, vocab_size=260, n_layer=2, n_head=2, n_embd=32)
@@ -38,6 +40,21 @@ def test_one_build_for_every_step_and_the_same_tokens(builds):
     assert len(builds) == 1
     generate_tokens(model, prompts, 5, temperature=0.5, compile=True)
     assert len(builds) == 2
+
+
+def test_the_cache_holds_what_the_generation_reaches(builds, monkeypatch):
+    """A generation's cache holds its prompt and new tokens rounded up to a multiple of
+    CACHE_COLUMNS_STEP, at most the context: the compiled step reads every column, so a
+    shorter buffer is a faster step. Lengths that round alike share one build."""
+    monkeypatch.setattr(loop, "CACHE_COLUMNS_STEP", 8)
+    model = tiny_model(CONFIG, seed=26)
+    prompts = [[1, 2, 3]]
+    for n, columns in ((4, 8), (5, 8), (6, 16), (40, CONFIG.context_len)):  # 3 + n rounded up
+        stats = GenerationStats()
+        compiled = greedy(model, prompts, n, compile=True, stats=stats)
+        assert stats.cache_bytes == cache_bytes(CONFIG, columns, 1)
+        assert torch.equal(compiled, greedy(model, prompts, n))
+    assert len(builds) == 3  # 8 columns (n = 4 and 5), 16 and 32
 
 
 def test_weights_changed_in_place_are_a_new_build(builds):
