@@ -284,10 +284,13 @@ class Engine:
 
     @staticmethod
     def decodes_alone(batch):
-        """One request, feeding one token (its newest; nothing to score)."""
+        """One request, feeding one token (its newest; nothing to score): a decode step, or
+        a prompt whose every token was found in the prefix cache (its last is fed again
+        for its logits). Any other batch of one would be a graph of its own for the
+        compiled batch step: built on first use, seconds to minutes of stall."""
         (request, *others) = batch
         return (not others and not request.score_prompt
-                and request.num_cached == request.context_len - 1)
+                and request.first_fed(request.num_cached) == request.context_len - 1)
 
     def score_prompts(self, logits, batch):
         """request.prompt_logprobs for the prompts scored in this pass, from the logits

@@ -54,8 +54,10 @@ class LoneStep:
             self.load(request, position)
         self.token.fill_(request.tokens[-1])
         logits = self.step.decode(self.token, self.cache)                       # (1, 1, V)
-        slot = self.slot(request, position)
-        self.pool.kv[:, :, slot] = self.cache.kv[:, :, 0, :, position]        # (n_layer, 2, nh, hd)
+        if position >= request.num_cached:  # else the pool has it already, in a block that
+            # may be shared with other requests: it is read, never written again
+            slot = self.slot(request, position)
+            self.pool.kv[:, :, slot] = self.cache.kv[:, :, 0, :, position]    # (n_layer, 2, nh, hd)
         return logits[:, -1]
 
     def load(self, request, length):

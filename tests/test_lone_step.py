@@ -54,7 +54,11 @@ def test_a_lone_request_decodes_through_the_compiled_step(model, builds):
         runs.append(outputs)
     assert len(builds) == 1  # built once, with the engine
     assert generated(request) == alone(model, prompt, 150, temperature=0)
-    prefills = 4  # the prompt, then a reprefill (to 32 tokens) at 65, 98 and 131 tokens
+    # the prompt, then a reprefill (to 32 tokens) at 65, 98 and 131 tokens: the last two find
+    # their whole window in the prefix cache (greedy decoding of this random model repeats
+    # itself), and a pass feeding only the found window's last token is the lone step's too
+    assert engine.scheduler.cached_tokens == 2 * 31  # found, but the last token is computed again
+    prefills = 2
     assert engine.lone_steps == 150 - prefills
     plain, lone = ([o.logprob.logprob for o in outputs] for outputs in runs)
     assert lone == pytest.approx(plain, abs=1e-5)
@@ -100,6 +104,28 @@ def test_columns_the_lone_step_wrote_serve_prefix_hits(model, builds):
     engine.run_until_done()
     assert engine.scheduler.cached_tokens == len(text) // 8 * 8
     assert generated(b) == alone(model, text, 10, temperature=0)
+
+
+def test_a_prompt_found_whole_in_the_prefix_cache_goes_through_the_lone_step(model, builds):
+    # the second request's 16 tokens are two full blocks of the first's: all cached, its
+    # last token is fed again for its logits. That pass is the lone step's too (else a batch
+    # of one is a graph of its own for the batch step: a build stalling the server), and it
+    # leaves the shared blocks as they were
+    engine = Engine(model, TOKENIZER, tokens_per_block=8, compile=True)
+    prompt = prompt_of(16, seed=8)
+    engine.add_request(prompt, SamplingParams(max_tokens=5, **GREEDY))
+    engine.run_until_done()
+    steps_before = engine.lone_steps  # the first request's 4 decode steps
+    b = engine.add_request(prompt, SamplingParams(max_tokens=5, **GREEDY))
+    before = engine.pool.kv.clone()
+    engine.step()  # b's first pass: its whole prompt was found
+    tpb = engine.pool.tokens_per_block
+    slots = [b.blocks[p // tpb] * tpb + p % tpb for p in range(16)]
+    engine.run_until_done()
+    assert engine.scheduler.cached_tokens == 15  # found; the last token is computed again
+    assert engine.lone_steps == steps_before + 5  # the found prompt's pass, then 4 decode steps
+    assert generated(b) == alone(model, prompt, 5, temperature=0)
+    assert torch.equal(engine.pool.kv[:, :, slots], before[:, :, slots])
 
 
 def test_log_probabilities_and_seeded_samples_as_the_engines_own_step(model, builds):
