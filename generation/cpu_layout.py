@@ -24,6 +24,18 @@ it compiles a graph with frozen weights). Against the column-major weight on thi
 so one row stays as fast, and batches, prefills and the engine's steps run 1.3-2.8x faster
 per matmul (docs/benchmarks.md has the whole-step figures).
 
+But oneDNN's call costs ~40-70 µs more than MKL's before it multiplies anything, which a
+small weight never earns back. The bundled model's Linears (256 wide), the same way:
+
+    rows   256 -> 768   256 -> 256   1024 -> 256   256 -> 4096 (the lm_head)
+       1      0.5x         0.3x          0.5x           1.0x
+      16      0.7x         0.4x          0.6x           1.4x
+      64      0.8x         0.5x          0.8x           1.8x
+
+and GPT-2 small's 768 -> 768 0.6x, 1.1x, 1.0x. So only weights of at least PACK_MIN_WEIGHTS
+(2^20) numbers are packed: every Linear of GPT-2 small but its attention's output, only the
+lm_head of the bundled model.
+
 PackedLinear is an nn.Linear (same weight and bias Parameters, so the state dict, a tied
 lm_head and every isinstance check are unchanged) that keeps the packed copy beside its
 weight. The copy is made at the first call and made again if the weight has changed since
@@ -38,6 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 BATCH_HINT = 16  # rows oneDNN tunes the blocked layout for; any number of rows works with it
+PACK_MIN_WEIGHTS = 2**20  # smaller weights multiply faster through MKL (see above)
 
 
 class PackedLinear(nn.Linear):
@@ -77,15 +90,15 @@ def weight_identity(weight):
     return weight.data_ptr(), (None if weight.is_inference() else weight._version)
 
 
-def pack_linears(model):
-    """Make every float32 nn.Linear of a CPU model a PackedLinear, in place; returns the
-    model. Anything else (another device or dtype, quantized layers, a torch without
-    oneDNN) is left as it is."""
+def pack_linears(model, min_weights=PACK_MIN_WEIGHTS):
+    """Make every float32 nn.Linear of a CPU model with at least min_weights weights a
+    PackedLinear, in place; returns the model. Anything else (smaller, another device or
+    dtype, quantized layers, a torch without oneDNN) is left as it is."""
     if not torch.backends.mkldnn.is_available():
         return model
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if (type(child) is nn.Linear and child.weight.device.type == "cpu"
-                    and child.weight.dtype == torch.float32):
+                    and child.weight.dtype == torch.float32 and child.weight.numel() >= min_weights):
                 setattr(parent, name, PackedLinear(child))
     return model

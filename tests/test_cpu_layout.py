@@ -42,7 +42,7 @@ def test_packed_linear_computes_what_nn_linear_does(rows, bias):
 def test_a_model_packs_every_float32_linear_and_keeps_its_state_dict_and_tie():
     model = tiny_model(TINY_CONFIGS[0])
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    pack_linears(model)
+    pack_linears(model, min_weights=0)
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is PackedLinear for m in linears)
     assert model.lm_head.weight is model.transformer.wte.weight  # still tied
@@ -50,9 +50,16 @@ def test_a_model_packs_every_float32_linear_and_keeps_its_state_dict_and_tie():
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
 
+def test_only_weights_big_enough_to_gain_are_packed():
+    # oneDNN's call costs more than MKL's before any arithmetic: small weights stay nn.Linear
+    model = nn.Sequential(linear(1024, 1024), linear(1023, 1024), linear(4096, 256), linear(768, 768))
+    pack_linears(model)
+    assert [type(m) is PackedLinear for m in model] == [True, False, True, False]
+
+
 def test_greedy_tokens_and_logits_as_before_packing():
     model = tiny_model(TINY_CONFIGS[1])  # no biases
-    packed = pack_linears(copy.deepcopy(model))
+    packed = pack_linears(copy.deepcopy(model), min_weights=0)
     prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
     with torch.inference_mode():
         torch.testing.assert_close(packed(prompt)[0], model(prompt)[0], rtol=1e-5, atol=1e-5)
@@ -75,7 +82,7 @@ def test_a_weight_changed_after_packing_is_packed_again():
 
 
 def test_deepcopy_of_a_packed_model():
-    model = pack_linears(tiny_model(TINY_CONFIGS[0]))
+    model = pack_linears(tiny_model(TINY_CONFIGS[0]), min_weights=0)
     prompt = torch.tensor([[1, 2, 3]])
     expected = model.generate(prompt, 10, temperature=0)  # packs every Linear
     clone = copy.deepcopy(model)  # oneDNN's tensors cannot be copied: the clone repacks
@@ -86,11 +93,11 @@ def test_deepcopy_of_a_packed_model():
 def test_other_dtypes_quantized_layers_and_compiled_graphs_use_the_plain_weight():
     model = tiny_model(TINY_CONFIGS[0])
     quantize_model(model, "int8")
-    pack_linears(model)
+    pack_linears(model, min_weights=0)
     assert not any(type(m) is PackedLinear for m in model.modules())  # every Linear was quantized
     assert any(isinstance(m, Int8Linear) for m in model.modules())
     lin = linear(32, 16)
-    half = pack_linears(nn.Sequential(copy.deepcopy(lin).to(torch.bfloat16)))
+    half = pack_linears(nn.Sequential(copy.deepcopy(lin).to(torch.bfloat16)), min_weights=0)
     assert type(half[0]) is nn.Linear  # bf16: oneDNN's layout is packed for float32 only
     packed = PackedLinear(lin)
     x = torch.randn(3, 16)
