@@ -21,7 +21,8 @@ at once or as a Poisson process of --rate requests/s), greedy, run to its max_to
 For each: output tokens/s, time to first token and inter-token latency (p50/p95), and the
 KV memory it held at its peak, next to what preallocating every running request to the full
 context would take. Then what a cached 200-token prefix does to the time to first token,
-and what the paged cache's gather costs in a decode step.
+and what the paged cache's gather costs in a decode step, with the paged kernel alone on one
+layer against a plain read of the keys and values it reads.
 """
 
 import argparse
@@ -52,6 +53,7 @@ from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positiv
 from plumbing.outputs import MARK, check_output_path, import_pyplot, json_text, write_atomically  # noqa: E402
 from serving.admission import Limits  # noqa: E402
 from serving.engine import Engine, SamplingParams, default_num_blocks  # noqa: E402
+from serving.paged_attention import decode_attention  # noqa: E402
 
 SHAPES = {"gpt2": GPTConfig(context_len=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)}
 MODES = ("sequential", "static", "continuous", "http")
@@ -292,13 +294,28 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
         dense.length -= 1  # write the same column again
         model(step, dense, last_only=True)
 
+    # the paged kernel alone, one layer: compiled as the step compiles it, against the time
+    # a plain read of the bytes it must read (each column's key and value once) takes
+    c = model.config
+    q = torch.randn(batch, c.n_head, 1, c.head_dim, device=kv.device, dtype=kv.dtype)
+    kernel = torch.compile(decode_attention, fullgraph=True)
+    visible = torch.ones(cache.read_slots.shape, dtype=torch.bool, device=kv.device)
+
+    def kernel_one_layer():
+        kernel(q, kv[0, 0], kv[0, 1], cache.read_slots, visible)
+    layer_bytes = 2 * cache.read_slots.numel() * kv[0, 0, 0].nbytes
+    flat = torch.randn(layer_bytes // kv.element_size(), device=kv.device, dtype=kv.dtype)
+
     def ms(fn):  # the mean of reps, after a warm-up
         return 1e3 * statistics.mean(repeat(lambda: timed(fn)[1], reps))
     result = {"batch": batch, "context": context, "paged_step_ms": ms(gathered_step),
               "compiled_step_ms": ms(compiled_step),
               "gather_ms": ms(gather), "dense_step_ms": ms(dense_step),
-              "gathered_bytes": 2 * slots.numel() * kv[0, 0, 0].nbytes * kv.size(0)}
+              "gathered_bytes": 2 * slots.numel() * kv[0, 0, 0].nbytes * kv.size(0),
+              "kernel_layer_ms": ms(kernel_one_layer), "layer_bytes": layer_bytes,
+              "read_layer_bytes_ms": ms(flat.sum)}
     result["gather_share"] = result["gather_ms"] / result["paged_step_ms"]
+    result["kernel_over_read"] = result["kernel_layer_ms"] / result["read_layer_bytes_ms"]
     return result
 
 
@@ -349,6 +366,9 @@ def print_report(r):
               f"({g['gather_share']:.0%}, {g['gathered_bytes'] / 2**20:.0f} MiB copied); "
               f"compiled step (the paged kernel inside) {g['compiled_step_ms']:.1f} ms; eager dense "
               f"KVCache step {g['dense_step_ms']:.1f} ms")
+        print(f"the paged kernel alone, one layer: {g['kernel_layer_ms']:.2f} ms for "
+              f"{g['layer_bytes'] / 2**20:.1f} MiB of keys and values; a plain read of as many bytes "
+              f"{g['read_layer_bytes_ms']:.2f} ms ({g['kernel_over_read']:.1f}x the read)")
 
 
 def plot(r, path, plt):
@@ -469,7 +489,7 @@ def main():
     per_token = model.new_cache(1).nbytes() // context_len
     running_peak = min(args.max_batch, len(requests))
     r = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-         "torch": torch.__version__, "model": name, "context_len": context_len,
+         "torch": torch.__version__, "model": name, "context_len": context_len, "n_layer": model.config.n_layer,
          "workload": {"requests": args.requests, "prompt_len": "-".join(map(str, args.prompt_len)),
                       "output_len": "-".join(map(str, args.output_len)), "rate": args.rate,
                       "max_batch": args.max_batch, "seed": args.seed,

@@ -27,6 +27,11 @@ def test_quick_serving_benchmark_writes_its_report(tmp_path, tiny_ckpt):
     assert len(set(tokens.values())) == 1, tokens  # every way made every token
     assert modes["http"]["errors"] == 0 and modes["http"]["leaked_blocks"] == 0
     assert report["gather"]["gather_ms"] > 0
+    gather = report["gather"]
+    assert gather["kernel_layer_ms"] > 0 and gather["read_layer_bytes_ms"] > 0
+    assert "the paged kernel alone, one layer" in proc.stdout
+    # the kernel reads one layer's keys and values; the gather copies every layer's
+    assert gather["gathered_bytes"] == gather["layer_bytes"] * report["n_layer"]
 
 
 @pytest.mark.parametrize("args", [["--modes", "turbo"], ["--url", "127.0.0.1:8000"]])
