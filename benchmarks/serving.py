@@ -294,8 +294,8 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
         dense.length -= 1  # write the same column again
         model(step, dense, last_only=True)
 
-    # the paged kernel alone, one layer: compiled as the step compiles it, against the time
-    # a plain read of the bytes it must read (each column's key and value once) takes
+    # the paged kernel alone, one layer, compiled by torch.compile (for these shapes only),
+    # against the time a plain read of the bytes it must read (each key and value once) takes
     c = model.config
     q = torch.randn(batch, c.n_head, 1, c.head_dim, device=kv.device, dtype=kv.dtype)
     kernel = torch.compile(decode_attention, fullgraph=True)
