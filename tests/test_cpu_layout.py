@@ -52,9 +52,10 @@ def test_a_model_packs_every_float32_linear_and_keeps_its_state_dict_and_tie():
 
 def test_only_weights_big_enough_to_gain_are_packed():
     # oneDNN's call costs more than MKL's before any arithmetic: small weights stay nn.Linear
-    model = nn.Sequential(linear(1024, 1024), linear(1023, 1024), linear(4096, 256), linear(768, 768))
+    model = nn.Sequential(linear(512, 1024), linear(511, 1024), linear(4096, 256), linear(768, 768),
+                          linear(1024, 256))  # (out, in): 2^19 weights, one row fewer, ...
     pack_linears(model)
-    assert [type(m) is PackedLinear for m in model] == [True, False, True, False]
+    assert [type(m) is PackedLinear for m in model] == [True, False, True, True, False]
 
 
 def test_greedy_tokens_and_logits_as_before_packing():
