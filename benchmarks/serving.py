@@ -311,7 +311,7 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
     result = {"batch": batch, "context": context, "paged_step_ms": ms(gathered_step),
               "compiled_step_ms": ms(compiled_step),
               "gather_ms": ms(gather), "dense_step_ms": ms(dense_step),
-              "gathered_bytes": 2 * slots.numel() * kv[0, 0, 0].nbytes * kv.size(0),
+              "gathered_bytes": layer_bytes * kv.size(0),  # every layer's
               "kernel_layer_ms": ms(kernel_one_layer), "layer_bytes": layer_bytes,
               "read_layer_bytes_ms": ms(flat.sum)}
     result["gather_share"] = result["gather_ms"] / result["paged_step_ms"]

@@ -5,7 +5,7 @@ Generation: a model and prompts in, tokens out, one step at a time.
                       context reprefill or (rotary models) evict, finished rows; every caller
                       generates through it
     compiled_step.py  the decode step with shapes that never change, compiled once (--compile)
-    cpu_layout.py     every float32 Linear's weight packed once for oneDNN's matmul (batches,
+    cpu_layout.py     large float32 Linear weights packed once for oneDNN's matmul (batches,
                       prefills and the serving engine run 1.3-2.8x faster per matmul)
     speculative.py    speculative decoding: proposers (prompt lookup, a draft model) and the
                       rule that verifies their tokens in one pass (--speculate)

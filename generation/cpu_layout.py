@@ -1,5 +1,5 @@
 """
-Every Linear's weight laid out once for the CPU's matrix-multiply kernel.
+Large Linear weights laid out once for the CPU's matrix-multiply kernel.
 
 On the CPU, F.linear calls MKL's sgemm on the weight as it lies (row-major, or the
 column-major copy that base_model.store_linears_column_major keeps for batch-1 decoding).
@@ -41,10 +41,11 @@ with its 768 -> 768 projections packed (7.4-7.6x batch 1 against 6.8-6.9x).
 PackedLinear is an nn.Linear (same weight and bias Parameters, so the state dict, a tied
 lm_head and every isinstance check are unchanged) that keeps the packed copy beside its
 weight. The copy is made at the first call and made again if the weight has changed since
-(load_state_dict writes into it in place; .to() replaces it), so loading and quantizing afterwards work as on
-any Linear. It is used only where it applies (float32 on the CPU, no gradient wanted,
-outside a compiled graph: packed_copy_applies); anywhere else the layer is F.linear. The cost is memory: the packed copy is
-a second copy of every Linear weight (GPT-2 small: 0.5 GB more in fp32).
+(load_state_dict writes into it in place; .to() replaces it), so loading and quantizing
+afterwards work as on any Linear. It is used only where it applies (float32 on the CPU, no
+gradient wanted, outside a compiled graph: packed_copy_applies); anywhere else the layer is
+F.linear. The cost is memory: a second copy of every packed weight (GPT-2 small: 0.5 GB
+more in fp32).
 """
 
 import torch

@@ -124,7 +124,7 @@ def prepare_for_generation(model, args):
     """What every model a script generates from goes through after loading (the naive twin
     of a comparison too, so that both loops run the same weights the same way): the
     decode-speed weight layout (base_model.store_linears_column_major), --quantize, then
-    the Linears left in float32 on the CPU packed for oneDNN (generation/cpu_layout.py:
+    the large Linears left in float32 on the CPU packed for oneDNN (generation/cpu_layout.py:
     batches, prefills and the serving engine's steps)."""
     return pack_linears(quantize_from_args(store_linears_column_major(model), args))
 

@@ -18,7 +18,8 @@ dense cache of one row:
     (one copy), unless the dense cache already holds them (the previous step was this
     request's too);
   - each step: the compiled step writes the new key and value into the dense cache, and
-    the same column is copied to the request's slot in the pool, so the pool always holds
+    the same column is copied to the request's slot in the pool (unless the pool holds it
+    already: a prompt found whole in the prefix cache), so the pool always holds
     everything: when a second request arrives, the next step is the engine's own, with
     nothing to hand back; prefix hits on the request's blocks stay right;
   - the step returns logits (not tokens): the engine samples them with the request's own

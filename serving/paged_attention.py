@@ -108,9 +108,9 @@ def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, 
     oneDNN's matmul (its blocked layout; generation/cpu_layout.py does the same for eager
     calls) instead of calling MKL, which packs the weight again on every call: 1.3-2.8x per
     matmul at 16-64 rows on this project's CPU; the GPT-2-small-shape server under 64
-    requests went from 0.93x to 1.38x llama-server's throughput (docs/serving.md). The price: the graph keeps the weights it
-    was compiled with, so a model's weights must not change while an engine serves it,
-    and each model is a graph of its own (compiled again for every model: tens of seconds
+    requests went from 0.93x to 1.38x llama-server's throughput (docs/serving.md). The
+    price: the graph keeps the weights it was compiled with, so a model's weights must not
+    change while an engine serves it, and each model is a graph of its own (compiled again for every model: tens of seconds
     more per engine in a process that makes many, hence not the default). A server
     compiles two; the limit of graphs per function is raised for processes that make many
     engines. Both options are read when a graph is compiled, inside the call: hence the
