@@ -112,3 +112,20 @@ def sample_with_noise(logits, noise, temperature=1.0, top_k=None, top_p=None):
     if temperature == 0:
         return without_nan(logits).argmax(dim=-1, keepdim=True)
     return (probabilities(logits, temperature, top_k, top_p) / noise).argmax(dim=-1, keepdim=True)
+
+
+def sample_rows_with_noise(logits, noise, temperature):
+    """sample_with_noise for a batch whose rows have temperatures of their own: temperature
+    (B,) float32, 0 for a greedy row (whose noise is ignored); noise (B, V) as above.
+    Returns (B,). No top-k or top-p: per row, those need a sort of the vocabulary, which a
+    step should not pay for rows that do not ask (the serving engine draws such rows with
+    sample()). Tensors only, so one compiled graph serves any mix of settings."""
+    greedy = without_nan(logits).argmax(dim=-1)
+    if not torch.compiler.is_compiling() and not (temperature > 0).any():
+        return greedy  # run eagerly, an all-greedy batch need not compute the rest
+    # the same clamp as probabilities(): past float32's normal range a temperature acts as
+    # its extreme (one that rounded to 0 in float32 is greedy here)
+    t = temperature.clamp(FP32.tiny, FP32.max)[:, None]                 # (B, 1)
+    probs = F.softmax(clean_logits(logits) / t, dim=-1)
+    drawn = (probs / noise).argmax(dim=-1)
+    return torch.where(temperature > 0, drawn, greedy)

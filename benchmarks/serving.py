@@ -21,8 +21,8 @@ at once or as a Poisson process of --rate requests/s), greedy, run to its max_to
 For each: output tokens/s, time to first token and inter-token latency (p50/p95), and the
 KV memory it held at its peak, next to what preallocating every running request to the full
 context would take. Then what a cached 200-token prefix does to the time to first token,
-and what the paged cache's gather costs in a decode step, with the paged kernel alone on one
-layer against a plain read of the keys and values it reads.
+and what the paged cache's gather costs in a decode step, with the paged kernel alone, layer
+after layer, against a plain read of the keys and values it reads.
 """
 
 import argparse
@@ -280,8 +280,8 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
     def gathered_step():
         engine.model(tokens, engine.prepare(seqs)[1], last_only=True)
 
-    def compiled_step():
-        engine.decode_compiled(*engine.prepare(seqs))
+    def compiled_step():  # its index built again each call: the same sequences, not longer
+        engine.decode_compiled(seqs, engine.draw_inputs(seqs))
 
     def gather():
         for layer in range(kv.size(0)):
@@ -294,17 +294,25 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
         dense.length -= 1  # write the same column again
         model(step, dense, last_only=True)
 
-    # the paged kernel alone, one layer, compiled by torch.compile (for these shapes only),
-    # against the time a plain read of the bytes it must read (each key and value once) takes
+    # the paged kernel alone, compiled by torch.compile (for these shapes only), on every
+    # layer in turn as the step runs it, against a plain read of as many bytes (each key and
+    # value once), layer after layer: the whole cache is then more than the CPU's caches
+    # hold, as in a step (one layer read again and again stays in them, and reads faster)
     c = model.config
     q = torch.randn(batch, c.n_head, 1, c.head_dim, device=kv.device, dtype=kv.dtype)
     kernel = torch.compile(decode_attention, fullgraph=True)
     visible = torch.ones(cache.read_slots.shape, dtype=torch.bool, device=kv.device)
 
-    def kernel_one_layer():
-        kernel(q, kv[0, 0], kv[0, 1], cache.read_slots, visible)
+    def kernel_every_layer():
+        for layer in range(kv.size(0)):
+            kernel(q, kv[layer, 0], kv[layer, 1], cache.read_slots, visible)
     layer_bytes = 2 * cache.read_slots.numel() * kv[0, 0, 0].nbytes
-    flat = torch.randn(layer_bytes // kv.element_size(), device=kv.device, dtype=kv.dtype)
+    flats = [torch.randn(layer_bytes // kv.element_size(), device=kv.device, dtype=kv.dtype)
+             for _ in range(kv.size(0))]
+
+    def read_every_layer():
+        for flat in flats:
+            flat.sum()
 
     def ms(fn):  # the mean of reps, after a warm-up
         return 1e3 * statistics.mean(repeat(lambda: timed(fn)[1], reps))
@@ -312,8 +320,8 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
               "compiled_step_ms": ms(compiled_step),
               "gather_ms": ms(gather), "dense_step_ms": ms(dense_step),
               "gathered_bytes": layer_bytes * kv.size(0),  # every layer's
-              "kernel_layer_ms": ms(kernel_one_layer), "layer_bytes": layer_bytes,
-              "read_layer_bytes_ms": ms(flat.sum)}
+              "kernel_layer_ms": ms(kernel_every_layer) / kv.size(0), "layer_bytes": layer_bytes,
+              "read_layer_bytes_ms": ms(read_every_layer) / kv.size(0)}
     result["gather_share"] = result["gather_ms"] / result["paged_step_ms"]
     result["kernel_over_read"] = result["kernel_layer_ms"] / result["read_layer_bytes_ms"]
     return result
@@ -366,7 +374,7 @@ def print_report(r):
               f"({g['gather_share']:.0%}, {g['gathered_bytes'] / 2**20:.0f} MiB copied); "
               f"compiled step (the paged kernel inside) {g['compiled_step_ms']:.1f} ms; eager dense "
               f"KVCache step {g['dense_step_ms']:.1f} ms")
-        print(f"the paged kernel alone, one layer: {g['kernel_layer_ms']:.2f} ms for "
+        print(f"the paged kernel alone, a layer (every layer in turn): {g['kernel_layer_ms']:.2f} ms for "
               f"{g['layer_bytes'] / 2**20:.1f} MiB of keys and values; a plain read of as many bytes "
               f"{g['read_layer_bytes_ms']:.2f} ms ({g['kernel_over_read']:.1f}x the read)")
 

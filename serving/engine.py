@@ -12,7 +12,9 @@ the admission limits (admission.py): what one request may ask, and how much may 
 Every step asks the scheduler (scheduler.py) which sequences run, feeds them through the
 unchanged forward of the cached model (KVCacheGPT or KVCacheLlama) with a PagedCache
 (paged_cache.py) as their cache, samples one token per sequence with its own settings, and
-hands each request its new text. The HTTP
+hands each request its new text. A decode step goes through the compiled step instead
+(paged_attention.py), its index tensors kept from step to step (decode_index.py) and the
+tokens drawn inside it. The HTTP
 server (server.py) and the serving benchmark (benchmarks/serving.py) are two callers of
 this one loop.
 """
@@ -27,8 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from kv_quant import cache_bytes, dtype_name
-from sample import check_sampling_args, sample
+from sample import check_sampling_args, sample, sample_rows_with_noise
 from serving.admission import Limits
+from serving.decode_index import DecodeIndex, column_slots
 from serving.lone_step import LoneStep
 from serving.paged_attention import compiled_decode_step
 from serving.paged_cache import NULL_BLOCK, BlockPool, PagedCache
@@ -103,6 +106,15 @@ class Request(Sequence):
     def num_generated(self):
         return len(self.tokens) - self.prompt_len
 
+    @property
+    def draws_alone(self):
+        """Drawn by sample() with its own settings, not in the batch's draw: a seeded request
+        (its generator must give the text generate() gives the seed) or one with top-k or
+        top-p (they sort the vocabulary, which the batch should not pay for every row)."""
+        p = self.params
+        return p.temperature > 0 and (self.generator is not None or p.top_k is not None
+                                      or (p.top_p is not None and p.top_p < 1))
+
 
 def log_probabilities(logits, tokens, tops):
     """A Logprob for each row of logits (N, V): of tokens[i], with the tops[i] likeliest
@@ -169,6 +181,10 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.context_len, max_batch, max_prefill_tokens)
         self.lone = LoneStep(model, self.pool) if compile else None
         self.lone_steps = 0
+        self.index = DecodeIndex(tokens_per_block, self.device)
+        # Exp(1) noise of the batch's draw (sample.sample_rows_with_noise), refilled each step
+        # that samples: a buffer, so that a greedy batch touches none of it
+        self.noise = torch.ones(max_batch, config.vocab_size, device=self.device)
         self.inbox, self.cancelled = deque(), deque()  # from other threads (deque is thread-safe)
         self.admitting = threading.Lock()  # one submit at a time: the queue's bound holds
         self.wakeup = threading.Condition()
@@ -236,11 +252,12 @@ class Engine:
         if not batch:
             return False
         self.peak_blocks = max(self.peak_blocks, self.pool.num_used())
-        logits, every_position = self.forward(batch)
+        draw = self.draw_inputs(batch)
+        logits, every_position, tokens = self.forward(batch, draw)
         if every_position is not None:
             self.score_prompts(every_position, batch)
         self.scheduler.computed(batch)
-        tokens = self.sample(logits, batch)
+        tokens = self.sample(logits, batch, draw, tokens)
         logprobs = self.token_logprobs(logits, tokens, batch)
         for request, token, logprob in zip(batch, tokens.tolist(), logprobs):
             if request.params.max_tokens == 0:  # the prefill was all it asked for
@@ -251,11 +268,12 @@ class Engine:
         self.steps += 1
         return True
 
-    def forward(self, batch):
+    def forward(self, batch, draw):
         """Feed every sequence its tokens not yet cached, in one pass: the logits (B, V) of
-        each sequence's last token, and those of every fed position (B, T, V) when a
-        sequence of the batch scores its prompt (else None: only the last position's are
-        computed, which spares a (T x vocab) matmul).
+        each sequence's last token; those of every fed position (B, T, V) when a sequence
+        of the batch scores its prompt (else None: only the last position's are computed,
+        which spares a (T x vocab) matmul); the tokens (B,) drawn inside the compiled decode
+        step from draw (draw_inputs'), else None.
 
         Three ways: a request decoding alone, through the lone step (with compile); a
         decode pass (one token a row, past the first column: warm_up says why), through
@@ -263,24 +281,28 @@ class Engine:
         through the model's eager forward with a PagedCache."""
         if self.lone is not None and self.decodes_alone(batch):
             self.lone_steps += 1
-            return self.lone.decode(batch[0]), None
-        tokens, cache = self.prepare(batch)
+            return self.lone.decode(batch[0]), None, None
         every = any(s.score_prompt for s in batch)
-        if self.compiled_decode and tokens.size(1) == 1 and cache.read_slots.size(1) > 1 and not every:
-            return self.decode_compiled(tokens, cache), None
+        if self.compiled_decode and not every and self.is_decode_pass(batch):
+            logits, tokens = self.decode_compiled(batch, draw)
+            return logits, None, tokens
+        tokens, cache = self.prepare(batch)
         logits = self.model(tokens, cache, last_only=not every)[0]
-        return logits[:, -1], logits if every else None
+        return logits[:, -1], logits if every else None, None
 
-    def decode_compiled(self, tokens, cache):
-        """The logits (B, V) of a decode pass (one token per row) through the compiled step:
-        the PagedCache's slots, each row's position and which columns it sees."""
-        B, S = cache.read_slots.shape
-        columns = torch.arange(S, device=self.device)
-        pad = cache.pad if cache.pad is not None else torch.zeros(B, dtype=torch.long, device=self.device)
-        positions = (S - 1 - pad)[:, None]                                 # (B, 1): the fed column's
-        visible = columns[None, :] >= pad[:, None]                         # (B, S): not padding
-        return compiled_decode_step(self.model, tokens, positions, self.pool.kv, cache.read_slots,
-                                    cache.write_slots, visible, freeze=self.lone is not None)
+    @staticmethod
+    def is_decode_pass(batch):
+        """Every sequence feeds one token, and some reads more than that one column."""
+        return (all(s.context_len - s.first_fed(s.num_cached) == 1 for s in batch)
+                and max(s.context_len for s in batch) > 1)
+
+    def decode_compiled(self, batch, draw):
+        """The logits (B, V) of a decode pass through the compiled step, and the tokens
+        (B,) it drew: the pool's slots from the decode index (kept from the last step),
+        each row's temperature and noise from draw."""
+        tokens, positions, read_slots, write_slots, visible = self.index.update(batch)
+        return compiled_decode_step(self.model, tokens, positions, self.pool.kv, read_slots,
+                                    write_slots, visible, *draw, freeze=self.lone is not None)
 
     @staticmethod
     def decodes_alone(batch):
@@ -318,21 +340,14 @@ class Engine:
     def prepare(self, batch):
         """The pass's input tokens (B, T) and its PagedCache.
 
-        Rows are right-aligned (generation/loop.py's left_pad layout): S columns, the longest
-        context; row b starts at column pad[b], so column c holds its position c - pad[b];
+        Rows are right-aligned (decode_index.column_slots): S columns, the longest context;
         the last T columns are fed, T = the most uncached tokens of any row. A row with
         fewer feeds some cached tokens again (so does a prompt being scored, whose every
         position's logits are needed); their writes go to the null block."""
-        tpb = self.pool.tokens_per_block
         feed = [s.context_len - s.first_fed(s.num_cached) for s in batch]
         T, S = max(feed), max(s.context_len for s in batch)
-        lengths = torch.tensor([s.context_len for s in batch])
-        pad = S - lengths                                                  # (B,)
-        positions = torch.arange(S) - pad[:, None]                         # (B, S)
-        table = torch.tensor([s.blocks + [NULL_BLOCK] * (-(-S // tpb) - len(s.blocks))
-                              for s in batch])                             # (B, blocks)
-        at = positions.clamp(min=0)
-        slots = torch.where(positions >= 0, table.gather(1, at // tpb) * tpb + at % tpb, NULL_BLOCK)
+        positions, slots = column_slots(batch, S, self.pool.tokens_per_block)     # (B, S) each
+        pad = (positions < 0).sum(dim=1)                                           # (B,)
         cached = torch.tensor([s.num_cached for s in batch])
         write = torch.where(positions[:, S - T:] >= cached[:, None], slots[:, S - T:], NULL_BLOCK)
         tokens = [[0] * max(0, T - s.context_len) + s.tokens[max(s.start, len(s.tokens) - T):]
@@ -341,16 +356,29 @@ class Engine:
                            pad.to(self.device) if pad.any() else None, length=S - T)
         return torch.tensor(tokens, device=self.device), cache
 
-    def sample(self, logits, batch):
-        """One token per row, (B,): rows with the same settings and no seed of their own
-        are drawn together; a seeded request draws from its own generator."""
+    def draw_inputs(self, batch):
+        """What the batch's draw takes (sample.sample_rows_with_noise): each row's
+        temperature (B,), and Exp(1) noise (B, V), fresh when some row samples."""
+        temperature = torch.tensor([r.params.temperature for r in batch], dtype=torch.float32,
+                                   device=self.device)
+        noise = self.noise[:len(batch), :self.tokenizer.n_vocab]  # the tokenizer's tokens
+        if any(r.params.temperature > 0 and not r.draws_alone for r in batch):
+            noise.exponential_()
+        return temperature, noise
+
+    def sample(self, logits, batch, draw, drawn=None):
+        """One token per row, (B,): the batch's draw (drawn: already made inside the compiled
+        step), except for the requests that draw alone (Request.draws_alone), each group of
+        the same settings drawn together by sample(), a seeded request from its generator."""
+        logits = logits[:, :self.tokenizer.n_vocab]  # padding rows of the embedding table
+        temperature, noise = draw
+        tokens = sample_rows_with_noise(logits, noise, temperature) if drawn is None else drawn
         groups = {}
         for row, r in enumerate(batch):
-            p = r.params
-            key = (p.temperature, p.top_k, p.top_p, id(r.generator) if r.generator else None)
-            groups.setdefault(key, (r.generator, []))[1].append(row)
-        logits = logits[:, :self.tokenizer.n_vocab]  # padding rows of the embedding table
-        tokens = torch.empty(len(batch), dtype=torch.long, device=logits.device)
+            if r.draws_alone:
+                p = r.params
+                key = (p.temperature, p.top_k, p.top_p, id(r.generator) if r.generator else None)
+                groups.setdefault(key, (r.generator, []))[1].append(row)
         for (temperature, top_k, top_p, _), (generator, rows) in groups.items():
             rows = torch.tensor(rows, device=logits.device)
             tokens[rows] = sample(logits[rows], temperature, top_k, top_p, generator)[:, 0]

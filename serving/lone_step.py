@@ -31,6 +31,7 @@ import torch
 
 from generation.compiled_step import compile_for
 from kv_cache import KVCache
+from serving.decode_index import slot_of
 
 
 class LoneStep:
@@ -57,18 +58,15 @@ class LoneStep:
         logits = self.step.decode(self.token, self.cache)                       # (1, 1, V)
         if position >= request.num_cached:  # else the pool has it already, in a block that
             # may be shared with other requests: it is read, never written again
-            slot = self.slot(request, position)
+            slot = slot_of(request, position, self.pool.tokens_per_block)
             self.pool.kv[:, :, slot] = self.cache.kv[:, :, 0, :, position]    # (n_layer, 2, nh, hd)
         return logits[:, -1]
 
     def load(self, request, length):
         """Copy the request's first `length` context columns from the pool."""
-        slots = torch.tensor([self.slot(request, p) for p in range(length)], dtype=torch.long,
-                             device=self.pool.kv.device)
+        tokens_per_block = self.pool.tokens_per_block
+        slots = torch.tensor([slot_of(request, p, tokens_per_block) for p in range(length)],
+                             dtype=torch.long, device=self.pool.kv.device)
         columns = self.pool.kv[:, :, slots]                                     # (n_layer, 2, length, nh, hd)
         self.cache.kv[:, :, 0, :, :length] = columns.transpose(2, 3)            # (n_layer, 2, nh, length, hd)
         self.cache.length, self.holds = length, (request, request.start)
-
-    def slot(self, request, position):
-        tokens_per_block = self.pool.tokens_per_block
-        return request.blocks[position // tokens_per_block] * tokens_per_block + position % tokens_per_block

@@ -21,12 +21,17 @@ writes a copy.
 The engine's decode step is compiled whole (compiled_decode_step): the model's forward with
 the pool as its cache (PagedStep), so that the kernel, the matmuls and the small operations
 between them (LayerNorm, GELU, residuals) are one graph of generated loops instead of a
-hundred calls from Python a step. Only decode (one new query per sequence) goes through
+hundred calls from Python a step; the draw of each row's next token is in the graph too
+(sample.sample_rows_with_noise, each row with its own temperature), so what comes back is
+tokens ready to hand out, not logits to sample in Python (about a millisecond a step at 64
+rows). Only decode (one new query per sequence) goes through
 it; a prefill's queries need the causal mask, and its matmuls dwarf the copy, so prefills
 keep the gather and SDPA.
 """
 
 import torch
+
+from sample import sample_rows_with_noise
 
 
 def decode_attention(q, k_pool, v_pool, slots, visible):
@@ -70,30 +75,35 @@ class PagedStep:
         return decode_attention(q, self.kv[layer, 0], self.kv[layer, 1], self.read_slots, self.visible)
 
 
-def decode_step(model, tokens, positions, kv, read_slots, write_slots, visible):
-    """Logits (B, V) of one decode step over the pool: tokens, positions (B, 1), each
+def decode_step(model, tokens, positions, kv, read_slots, write_slots, visible, temperature, noise):
+    """One decode step over the pool: the logits (B, V) and each row's next token (B,),
+    drawn by sample.sample_rows_with_noise (temperature (B,), noise (B, vocab)) inside
+    the step, so that what comes back is ready to hand out. tokens, positions (B, 1): each
     sequence's newest token and its position; kv: the pool's buffer, (n_layer, 2, slots,
-    n_kv_head, hd), written in place; read_slots (B, S), write_slots (B,), visible (B, S) as
-    decode_attention takes them. The cached model's forward (KVCacheGPT's or KVCacheLlama's)
-    with the pool as its cache."""
+    n_kv_head, hd), written in place; read_slots (B, S), write_slots (B,), visible (B, S)
+    as decode_attention takes them. The cached model's forward (KVCacheGPT's or
+    KVCacheLlama's) with the pool as its cache."""
     x, block_args = model.embed_at(tokens, positions)                  # (B, 1, C)
     cache = PagedStep(kv, read_slots, write_slots, visible)
     for layer, block in enumerate(model.blocks):
         x = block(x, **block_args, cache=cache, layer=layer, mask=None)
-    return model.head(x)[:, -1]
+    logits = model.head(x)[:, -1]                                       # (B, V)
+    vocab = noise.size(1)  # the tokenizer's: the embedding table may have padding rows
+    return logits, sample_rows_with_noise(logits[:, :vocab], noise, temperature)
 
 
-def frozen_decode_step(model, tokens, positions, kv, read_slots, write_slots, visible):
+def frozen_decode_step(model, tokens, positions, kv, read_slots, write_slots, visible, temperature, noise):
     """decode_step, as a function of its own: torch.compile keeps the graphs it makes per
     function, and these (the weights frozen in) must not be found for a call without."""
-    return decode_step(model, tokens, positions, kv, read_slots, write_slots, visible)
+    return decode_step(model, tokens, positions, kv, read_slots, write_slots, visible, temperature, noise)
 
 
 _compiled = {}  # freeze -> the step compiled (torch.compile's wrapper, made once per process)
 GRAPH_LIMIT = 64  # graphs of the frozen step per process: two per model (see below)
 
 
-def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, visible, freeze=False):
+def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, visible, temperature,
+                         noise, freeze=False):
     """decode_step compiled whole by torch.compile (the first calls compile: seconds to a
     minute): the model's matmuls, the small operations between them and the paged
     attention of every layer in one graph, where eager PyTorch runs each as its own call.
@@ -117,9 +127,10 @@ def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, 
     patch around it (torch.compile's options= does not reach freezing)."""
     if freeze not in _compiled:
         _compiled[freeze] = torch.compile(frozen_decode_step if freeze else decode_step, fullgraph=True)
-    for tensor in (tokens, positions, read_slots, write_slots, visible):
+    for tensor in (tokens, positions, read_slots, write_slots, visible, temperature, noise):
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
     for tensor in (read_slots, visible):
         torch._dynamo.maybe_mark_dynamic(tensor, 1)
     with torch._inductor.config.patch(freezing=freeze), torch._dynamo.config.patch(recompile_limit=GRAPH_LIMIT):
-        return _compiled[freeze](model, tokens, positions, kv, read_slots, write_slots, visible)
+        return _compiled[freeze](model, tokens, positions, kv, read_slots, write_slots, visible,
+                                 temperature, noise)

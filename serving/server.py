@@ -23,7 +23,8 @@ policy). The answers are shaped in replies.py.
 The HTTP side (aiohttp, on an asyncio event loop in its own thread) and the engine
 (serve.py runs it on the main thread) meet in two places: engine.submit /
 engine.cancel, and on_output, which the engine calls from its thread and which puts each
-Output on the request's asyncio.Queue through loop.call_soon_threadsafe. A client that
+Output on the request's asyncio.Queue, through HandOut: one loop.call_soon_threadsafe for
+all the Outputs of a step, not one each. A client that
 goes away is noticed by aiohttp (the handler is cancelled, or its next write fails) and
 its requests are cancelled at once: their blocks return to the pool at the engine's next
 step.
@@ -44,6 +45,7 @@ import logging
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -498,6 +500,32 @@ def tokenize_request(body, tokenizer, context, model_name, template):
 
 # ---------------------------------------------------------------------------- the routes
 
+class HandOut:
+    """Outputs from the engine's thread to the requests' asyncio queues, one wake-up of the
+    event loop for as many as are ready. call_soon_threadsafe writes to the loop's wake-up
+    pipe (a system call) and queues a callback, on every call; a step of 64 streams made 64
+    of each. Here the first Output since the last hand-out asks for one, and the rest join
+    it in the deque."""
+
+    def __init__(self):
+        self.pending, self.scheduled = deque(), False
+
+    def put(self, loop, queue, item):  # the engine's thread
+        self.pending.append((queue, item))
+        if not self.scheduled:  # read after the append: a drain that has begun will see it
+            self.scheduled = True
+            try:
+                loop.call_soon_threadsafe(self.drain)
+            except RuntimeError:
+                pass  # the event loop has closed: the server is shutting down
+
+    def drain(self):  # the event loop's thread
+        self.scheduled = False  # before emptying: what comes later asks for another drain
+        while self.pending:
+            queue, item = self.pending.popleft()
+            queue.put_nowait(item)
+
+
 class CompletionServer:
     def __init__(self, engine, tokenizer, model_name, chat_template=None, api_key=None,
                  context_policy="error"):
@@ -512,6 +540,7 @@ class CompletionServer:
         self.context = engine.model.config.context_len
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine)
+        self.hand_out = HandOut()
         # the configuration that decides what the model writes: same fingerprint, same weights
         # and settings (OpenAI's system_fingerprint; here a hash, not a build identifier)
         weights = engine.model.lm_head.weight
@@ -560,10 +589,7 @@ class CompletionServer:
 
         def on_output(engine_request, output):  # the engine's thread
             self.metrics.output(engine_request, output)
-            try:
-                loop.call_soon_threadsafe(outputs.put_nowait, (engine_request, output))
-            except RuntimeError:
-                pass  # the event loop has closed: the server is shutting down
+            self.hand_out.put(loop, outputs, (engine_request, output))
 
         # choice index = prompt index * n + sample index, as OpenAI numbers them (submit's
         # order); all or nothing, past the admission limits nothing (RequestTooLarge, Overloaded)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from sample import probabilities, sample, sample_with_noise
+from sample import probabilities, sample, sample_rows_with_noise, sample_with_noise
 
 N = 4000  # draws per empirical check; frequencies are then within ~0.02 of their probability
 
@@ -133,3 +133,19 @@ def test_noise_draw_greedy_ignores_the_noise():
     logits = torch.randn(5, 50)
     noise = torch.rand(5, 50)
     assert torch.equal(sample_with_noise(logits, noise, temperature=0), logits.argmax(-1, keepdim=True))
+
+
+def test_row_draw_is_each_row_s_noise_draw():
+    """sample_rows_with_noise: each row as sample_with_noise draws it with that row's
+    temperature and noise (0: argmax, whatever the noise); compiled, the same tokens."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 40, generator=g) * 3
+    noise = torch.empty(6, 40).exponential_(generator=g)
+    temperature = torch.tensor([0.0, 0.5, 1.0, 2.0, 1e-50, 1e300])  # the last two: float32 0 and inf
+    rows = sample_rows_with_noise(logits, noise, temperature)
+    for i, t in enumerate([0.0, 0.5, 1.0, 2.0, 0.0, 1e300]):
+        assert rows[i] == sample_with_noise(logits[i:i + 1], noise[i:i + 1], temperature=t)[0, 0]
+    assert rows[0] == logits[0].argmax()
+    compiled = torch.compile(sample_rows_with_noise, fullgraph=True)
+    assert torch.equal(compiled(logits, noise, temperature), rows)
+    assert torch.equal(sample_rows_with_noise(logits, noise, torch.zeros(6)), logits.argmax(-1))

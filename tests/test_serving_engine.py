@@ -185,11 +185,11 @@ def test_a_failed_step_ends_what_was_in_flight_and_the_engine_goes_on(model, mon
         broken = threading.Event()
         real_forward = engine.forward
 
-        def forward_once_broken(batch):
+        def forward_once_broken(batch, draw):
             if not broken.is_set():
                 broken.set()
                 raise RuntimeError("out of memory (simulated)")
-            return real_forward(batch)
+            return real_forward(batch, draw)
         monkeypatch.setattr(engine, "forward", forward_once_broken)
         ended = threading.Event()
         first = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5, **GREEDY),

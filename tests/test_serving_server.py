@@ -265,3 +265,40 @@ def test_the_benchmarks_load_test_against_a_running_server(server):
     from plumbing.script import UserError
     with pytest.raises(UserError, match="should end in /v1"):  # one line, exit 2 for a user
         run_url(url.removesuffix("/v1"), requests)
+
+
+def test_hand_out_delivers_every_output_in_order_with_fewer_wakeups():
+    """HandOut from another thread: every item reaches its queue, in the order put, and
+    items put while a hand-out is pending share its one call_soon_threadsafe."""
+    import asyncio
+    import threading
+
+    from serving.server import HandOut
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever)
+    thread.start()
+    wakeups = []
+    real = loop.call_soon_threadsafe
+
+    def counted(*args):
+        wakeups.append(1)
+        return real(*args)
+    loop.call_soon_threadsafe = counted
+    try:
+        queues = [asyncio.Queue(), asyncio.Queue()]
+        hand_out = HandOut()
+        for step in range(200):  # a step: one item for each of the two streams
+            for i, queue in enumerate(queues):
+                hand_out.put(loop, queue, (i, step))
+
+        async def collect(queue):
+            return [await queue.get() for _ in range(200)]
+        for i, queue in enumerate(queues):
+            got = asyncio.run_coroutine_threadsafe(collect(queue), loop).result(timeout=10)
+            assert got == [(i, step) for step in range(200)]
+        assert 1 <= len(wakeups) < 400 / 2
+    finally:
+        loop.call_soon_threadsafe = real
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()

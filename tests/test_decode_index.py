@@ -1,0 +1,95 @@
+"""The engine's decode step: its index tensors, kept from step to step (serving/
+decode_index.py), equal the ones built from the block tables at every step; and the
+tokens it draws inside the compiled graph equal the same draw made eagerly."""
+
+import pytest
+import torch
+
+from base_model import GPTConfig
+from conftest import byte_tokenizer, tiny_model
+from serving.decode_index import DecodeIndex
+from serving.engine import Engine, SamplingParams
+
+CONFIG = GPTConfig(context_len=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
+TOKENIZER = byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(CONFIG, seed=3)
+
+
+def random_prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(256, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_the_kept_index_equals_one_built_from_the_block_tables(model):
+    """Different lengths, blocks filled and new ones taken mid-run (4 positions a block),
+    requests ending at different steps (the batch shrinks: built again), a shared prefix:
+    at every decode step, every tensor equal to a fresh build's. (The last two end
+    together: a batch of one would compile a graph of its own, seconds more.)"""
+    engine = Engine(model, TOKENIZER, tokens_per_block=4)
+    kept_update = engine.index.update
+    checked = []
+
+    def update(batch):
+        kept = [t.clone() for t in kept_update(batch)]
+        fresh = DecodeIndex(engine.pool.tokens_per_block, engine.device).update(batch)
+        for a, b in zip(kept, fresh):
+            assert a.shape == b.shape and torch.equal(a, b)
+        checked.append(len(batch))
+        return kept
+    engine.index.update = update
+    prompts = random_prompts([5, 13, 2, 21], seed=1)
+    prompts.append(prompts[1][:8] + [7, 7])  # its first 8 tokens (two blocks) found cached
+    for prompt, n in zip(prompts, [9, 20, 14, 6, 20]):
+        engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, stop_at_eot=False))
+    engine.run_until_done()
+    assert sorted(set(checked)) == [2, 3, 4, 5]  # the batch shrank as requests ended
+    changes = sum(a != b for a, b in zip(checked, checked[1:]))
+    assert engine.index.rebuilds == 1 + changes  # built once per batch, then extended
+    assert engine.index.extensions == len(checked) - engine.index.rebuilds > 10
+
+
+def run(engine, prompts, params):
+    requests = [engine.add_request(p, params) for p in prompts]
+    engine.run_until_done()
+    return [r.tokens[r.prompt_len:] for r in requests]
+
+
+@pytest.mark.parametrize("temperature", [0.8, 1.5])
+def test_the_compiled_step_draws_what_the_eager_draw_does(model, temperature):
+    """The same global seed, so the same Exp(1) noise each step (the engine draws it
+    before the step, from torch's default generator): the compiled step ("kernel") and
+    the eager pass ("gather") pick the same tokens. Logits differ by ~1e-6 between the two
+    (differently fused arithmetic); a draw flips only if p_i / E_i ties to that precision."""
+    prompts = random_prompts([6, 11, 3], seed=2)
+    params = SamplingParams(max_tokens=24, temperature=temperature, stop_at_eot=False)
+    texts = {}
+    for attention in ("kernel", "gather"):
+        torch.manual_seed(11)
+        texts[attention] = run(Engine(model, TOKENIZER, attention=attention), prompts, params)
+    assert texts["kernel"] == texts["gather"]
+    torch.manual_seed(12)
+    other = run(Engine(model, TOKENIZER, attention="gather"), prompts, params)
+    assert other != texts["gather"]  # the draw does depend on the noise
+
+
+def test_a_batch_mixes_greedy_drawn_and_alone_rows(model):
+    """Greedy rows beside sampled ones are still greedy (the alone generation's tokens),
+    and a seeded top-k row beside them gives the text its seed gives alone."""
+    from generation.loop import generate_tokens
+    prompts = random_prompts([7, 9, 12], seed=3)
+    engine = Engine(model, TOKENIZER)
+    greedy = engine.add_request(prompts[0], SamplingParams(max_tokens=20, temperature=0, stop_at_eot=False))
+    engine.add_request(prompts[1], SamplingParams(max_tokens=20, temperature=1.0, stop_at_eot=False))
+    seeded = engine.add_request(prompts[2], SamplingParams(max_tokens=20, temperature=0.9, top_k=30,
+                                                           seed=4, stop_at_eot=False))
+    engine.run_until_done()
+
+    def alone(prompt, **kw):
+        return generate_tokens(model, [prompt], 20, vocab_limit=TOKENIZER.n_vocab, **kw)[0].tolist()
+    assert greedy.tokens[greedy.prompt_len:] == alone(prompts[0], temperature=0)
+    assert seeded.tokens[seeded.prompt_len:] == alone(prompts[2], temperature=0.9, top_k=30,
+                                                      generator=torch.Generator().manual_seed(4))
