@@ -49,7 +49,7 @@ def clean_logits(logits):
             raise ValueError("a row of logits excludes every token (all -inf or NaN): nothing to sample")
     # softmax does not change when a row's max is subtracted; doing it first means that
     # dividing by a tiny temperature cannot overflow to inf
-    return logits - logits.max(dim=-1, keepdim=True).values
+    return logits - logits.amax(dim=-1, keepdim=True)
 
 
 def top_k_filter(logits, k):
@@ -114,18 +114,20 @@ def sample_with_noise(logits, noise, temperature=1.0, top_k=None, top_p=None):
     return (probabilities(logits, temperature, top_k, top_p) / noise).argmax(dim=-1, keepdim=True)
 
 
-def sample_rows_with_noise(logits, noise, temperature):
-    """sample_with_noise for a batch whose rows have temperatures of their own: temperature
-    (B,) float32, 0 for a greedy row (whose noise is ignored); noise (B, V) as above.
-    Returns (B,). No top-k or top-p: per row, those need a sort of the vocabulary, which a
-    step should not pay for rows that do not ask (the serving engine draws such rows with
-    sample()). Tensors only, so one compiled graph serves any mix of settings."""
-    greedy = without_nan(logits).argmax(dim=-1)
+def sample_rows_with_noise(logits, gumbel, temperature):
+    """sample_with_noise's draw for a batch whose rows have temperatures of their own:
+    temperature (B,) float32, 0 for a greedy row (whose noise is ignored). The noise comes
+    as gumbel (B, V) = -log(E), Gumbel(0, 1) numbers made from the Exp(1) ones: the log of
+    p_i / E_i is log p_i + G_i, so the same token is the argmax of logits / T + G (log p
+    is logits / T less a constant of the row), with no softmax to compute and the log
+    taken where the noise is drawn. Returns (B,). No top-k or top-p: per row, those need a
+    sort of the vocabulary, which a step should not pay for rows that do not ask (the
+    serving engine draws such rows with sample()). Tensors only, so one compiled graph
+    serves any mix of settings."""
     if not torch.compiler.is_compiling() and not (temperature > 0).any():
-        return greedy  # run eagerly, an all-greedy batch need not compute the rest
+        return without_nan(logits).argmax(dim=-1)  # run eagerly, an all-greedy batch is this
+    x = clean_logits(logits)  # each row's max at 0: a tiny temperature cannot overflow it
     # the same clamp as probabilities(): past float32's normal range a temperature acts as
     # its extreme (one that rounded to 0 in float32 is greedy here)
     t = temperature.clamp(FP32.tiny, FP32.max)[:, None]                 # (B, 1)
-    probs = F.softmax(clean_logits(logits) / t, dim=-1)
-    drawn = (probs / noise).argmax(dim=-1)
-    return torch.where(temperature > 0, drawn, greedy)
+    return torch.where(temperature[:, None] > 0, x / t + gumbel, x).argmax(dim=-1)

@@ -182,7 +182,7 @@ class Engine:
         self.lone = LoneStep(model, self.pool) if compile else None
         self.lone_steps = 0
         self.index = DecodeIndex(tokens_per_block, self.device)
-        # Exp(1) noise of the batch's draw (sample.sample_rows_with_noise), refilled each step
+        # Gumbel noise of the batch's draw (sample.sample_rows_with_noise), refilled each step
         # that samples: a buffer, so that a greedy batch touches none of it
         self.noise = torch.ones(max_batch, config.vocab_size, device=self.device)
         self.inbox, self.cancelled = deque(), deque()  # from other threads (deque is thread-safe)
@@ -358,12 +358,12 @@ class Engine:
 
     def draw_inputs(self, batch):
         """What the batch's draw takes (sample.sample_rows_with_noise): each row's
-        temperature (B,), and Exp(1) noise (B, V), fresh when some row samples."""
+        temperature (B,), and Gumbel noise (B, V), fresh when some row samples."""
         temperature = torch.tensor([r.params.temperature for r in batch], dtype=torch.float32,
                                    device=self.device)
         noise = self.noise[:len(batch), :self.tokenizer.n_vocab]  # the tokenizer's tokens
         if any(r.params.temperature > 0 and not r.draws_alone for r in batch):
-            noise.exponential_()
+            noise.exponential_().log_().neg_()  # -log(E), E ~ Exp(1)
         return temperature, noise
 
     def sample(self, logits, batch, draw, drawn=None):

@@ -23,8 +23,7 @@ the pool as its cache (PagedStep), so that the kernel, the matmuls and the small
 between them (LayerNorm, GELU, residuals) are one graph of generated loops instead of a
 hundred calls from Python a step; the draw of each row's next token is in the graph too
 (sample.sample_rows_with_noise, each row with its own temperature), so what comes back is
-tokens ready to hand out, not logits to sample in Python (about a millisecond a step at 64
-rows). Only decode (one new query per sequence) goes through
+tokens ready to hand out, not logits to sample in Python. Only decode (one new query per sequence) goes through
 it; a prefill's queries need the causal mask, and its matmuls dwarf the copy, so prefills
 keep the gather and SDPA.
 """
@@ -77,7 +76,7 @@ class PagedStep:
 
 def decode_step(model, tokens, positions, kv, read_slots, write_slots, visible, temperature, noise):
     """One decode step over the pool: the logits (B, V) and each row's next token (B,),
-    drawn by sample.sample_rows_with_noise (temperature (B,), noise (B, vocab)) inside
+    drawn by sample.sample_rows_with_noise (temperature (B,), Gumbel noise (B, vocab)) inside
     the step, so that what comes back is ready to hand out. tokens, positions (B, 1): each
     sequence's newest token and its position; kv: the pool's buffer, (n_layer, 2, slots,
     n_kv_head, hd), written in place; read_slots (B, S), write_slots (B,), visible (B, S)
