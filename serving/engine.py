@@ -363,7 +363,9 @@ class Engine:
                                    device=self.device)
         noise = self.noise[:len(batch), :self.tokenizer.n_vocab]  # the tokenizer's tokens
         if any(r.params.temperature > 0 and not r.draws_alone for r in batch):
-            noise.exponential_().log_().neg_()  # -log(E), E ~ Exp(1)
+            # -log(E) with E = -log(U) ~ Exp(1): torch's exponential_ is ~3x slower on this
+            # CPU than uniform_ and a log (64 x 4096: 8.3 ms with it, 2.5 ms without)
+            noise.uniform_().log_().neg_().log_().neg_()
         return temperature, noise
 
     def sample(self, logits, batch, draw, drawn=None):
