@@ -88,8 +88,10 @@ class DecodeIndex:
         positions, slots = column_slots(batch, S, self.tokens_per_block)
         self.read_slots = slots.to(self.device)
         self.visible = (positions >= 0).to(self.device)
-        # contiguous, as extend's are: a view's strides differ, and compile guards on them
-        self.positions = positions[:, -1:].contiguous().to(self.device)       # (B, 1)
+        # a copy with the strides extend's sums get, (1, 1): compile guards on strides, and
+        # .contiguous() would keep the view's (S, 1) for a batch of one (a size-1 dimension
+        # counts as contiguous whatever its stride), recompiling the step mid-serve
+        self.positions = positions[:, -1:].clone(memory_format=torch.contiguous_format).to(self.device)  # (B, 1)
         self.write_slots = self.written(batch, self.read_slots[:, -1])
         self.rebuilds += 1
 
