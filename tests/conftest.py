@@ -52,6 +52,12 @@ def byte_tokenizer():
     return encoding_from_spec(byte_tokenizer_spec(), "bytes")
 
 
+def random_prompts(lengths, seed=0, vocab=256):
+    """Prompts of these lengths, token ids below vocab (256: the byte tokenizer's bytes)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(vocab, (n,), generator=g).tolist() for n in lengths]
+
+
 def tiny_model(config, seed=0, cls=KVCacheGPT):
     torch.manual_seed(seed)
     return cls(config).eval()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from base_model import GPTConfig
-from conftest import byte_tokenizer, tiny_model
+from conftest import byte_tokenizer, random_prompts, tiny_model
 from generation.loop import generate_tokens
 from sample import probabilities
 from serving.decode_index import DecodeIndex
@@ -20,11 +20,6 @@ TOKENIZER = byte_tokenizer()
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(CONFIG, seed=3)
-
-
-def random_prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(256, (n,), generator=g).tolist() for n in lengths]
 
 
 def test_the_kept_index_equals_one_built_from_the_block_tables(model):

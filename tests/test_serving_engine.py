@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from base_model import GPTConfig
-from conftest import byte_tokenizer, tiny_model
+from conftest import byte_tokenizer, random_prompts, tiny_model
 from generation.loop import generate_tokens
 from serving.engine import Engine, SamplingParams, default_num_blocks
 from serving.paged_cache import BlockPool
@@ -27,11 +27,6 @@ GREEDY = dict(temperature=0, stop_at_eot=False)
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(CONFIG, seed=3)
-
-
-def random_prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(256, (n,), generator=g).tolist() for n in lengths]
 
 
 def alone(model, prompt, n, **kw):

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from base_model import GPTConfig
-from conftest import byte_tokenizer, run_script, tiny_model
+from conftest import byte_tokenizer, random_prompts, run_script, tiny_model
 from generation import speculative
 from generation.loop import Generation, GenerationStats, generate_tokens, left_pad
 from generation.speculative import DraftModel, PromptLookup
@@ -35,11 +35,6 @@ from serving.engine import Engine, SamplingParams
 ATOL = 1e-4
 CONFIG = GPTConfig(context_len=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
 DRAFT = GPTConfig(context_len=24, vocab_size=260, n_layer=1, n_head=2, n_embd=16)  # a shorter context
-
-
-def random_prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(256, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")
