@@ -23,9 +23,9 @@ the pool as its cache (PagedStep), so that the kernel, the matmuls and the small
 between them (LayerNorm, GELU, residuals) are one graph of generated loops instead of a
 hundred calls from Python a step; the draw of each row's next token is in the graph too
 (sample.sample_rows_with_noise, each row with its own temperature), so what comes back is
-tokens ready to hand out, not logits to sample in Python. Only decode (one new query per sequence) goes through
-it; a prefill's queries need the causal mask, and its matmuls dwarf the copy, so prefills
-keep the gather and SDPA.
+tokens ready to hand out, not logits to sample in Python. Only decode (one new query per
+sequence) goes through it; a prefill's queries need the causal mask, and its matmuls dwarf
+the copy, so prefills keep the gather and SDPA.
 """
 
 import torch
@@ -119,10 +119,10 @@ def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, 
     matmul at 16-64 rows on this project's CPU; the GPT-2-small-shape server under 64
     requests went from 0.93x to 1.38x llama-server's throughput (docs/serving.md). The
     price: the graph keeps the weights it was compiled with, so a model's weights must not
-    change while an engine serves it, and each model is a graph of its own (compiled again for every model: tens of seconds
-    more per engine in a process that makes many, hence not the default). A server
-    compiles two; the limit of graphs per function is raised for processes that make many
-    engines. Both options are read when a graph is compiled, inside the call: hence the
+    change while an engine serves it, and each model is a graph of its own (compiled again
+    for every model: tens of seconds more per engine in a process that makes many, hence
+    not the default). A server compiles two; the limit of graphs per function is raised
+    for processes that make many engines. Both options are read when a graph is compiled, inside the call: hence the
     patch around it (torch.compile's options= does not reach freezing)."""
     if freeze not in _compiled:
         _compiled[freeze] = torch.compile(frozen_decode_step if freeze else decode_step, fullgraph=True)
