@@ -17,6 +17,7 @@ and curl.
 """
 
 import os
+import signal
 import sys
 
 from plumbing.script import UserError, begin, run
@@ -166,12 +167,28 @@ def main():
         extras = ", API key required" if args.api_key else ""  # never the key itself
         print(f"serving {args.served_model_name} on {url} (Ctrl-C stops{extras})",
               file=sys.stderr, flush=True)
-        engine.run()         # ... and the engine on this one, which loaded the model
+        run_until_ctrl_c(engine)  # ... and the engine on this one, which loaded the model
     finally:
         # the engine has stopped: end what is in flight (each client gets an error), or
         # the server would wait for replies that no step will ever make
         engine.abort_all("the server is shutting down")
         server.close()
+
+
+def run_until_ctrl_c(engine):
+    """engine.run() until Ctrl-C, which stops it after its current step and then raises
+    KeyboardInterrupt here. Python's own handler raises it wherever the main thread is, and
+    inside a torch.compile build (a recompile can start mid-serve) it was lost: the server
+    went on serving, deaf to Ctrl-C. A second Ctrl-C raises at once."""
+    def stop(signum, frame):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        engine.stop()
+    signal.signal(signal.SIGINT, stop)
+    try:
+        engine.run()
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    raise KeyboardInterrupt  # run() returns only when stopped
 
 
 def load_chat_template(args, tokenizer):
