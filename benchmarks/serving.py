@@ -281,7 +281,7 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
         engine.model(tokens, engine.prepare(seqs)[1], last_only=True)
 
     def compiled_step():  # its index built again each call: the same sequences, not longer
-        engine.decode_compiled(seqs, engine.draw_inputs(seqs))
+        engine.run_compiled(seqs)
 
     def gather():
         for layer in range(kv.size(0)):

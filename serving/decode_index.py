@@ -23,6 +23,9 @@ same sequences each one token longer, appends that column:
 
 Any other batch (a sequence finished, joined after a prefill, or was preempted) is built
 again from the block tables, once, and followed from there.
+
+A short prefill can run through the same step: fed_rows lays each fed token out as a row
+of its own, reading the columns up to its position.
 """
 
 import torch
@@ -35,17 +38,49 @@ def slot_of(sequence, position, tokens_per_block):
     return sequence.blocks[position // tokens_per_block] * tokens_per_block + position % tokens_per_block
 
 
-def column_slots(batch, S, tokens_per_block):
+def column_slots(batch, S, tokens_per_block, lengths=None):
     """positions (B, S), the position held by each column (negative: padding), and slots
     (B, S), the pool slot it is read from (the null block for padding), for sequences
-    right-aligned to S columns."""
-    pad = S - torch.tensor([s.context_len for s in batch])                   # (B,)
+    right-aligned to S columns. lengths: how many of each sequence's context positions its
+    row holds (default: all of them)."""
+    if lengths is None:
+        lengths = [s.context_len for s in batch]
+    pad = S - torch.tensor(lengths)                                            # (B,)
     positions = torch.arange(S) - pad[:, None]                                 # (B, S)
     table = torch.tensor([s.blocks + [NULL_BLOCK] * (-(-S // tokens_per_block) - len(s.blocks))
                           for s in batch])                                     # (B, blocks)
     at = positions.clamp(min=0)
     slots = table.gather(1, at // tokens_per_block) * tokens_per_block + at % tokens_per_block
     return positions, torch.where(positions >= 0, slots, NULL_BLOCK)
+
+
+def fed_rows(batch, tokens_per_block, device):
+    """A pass feeding several tokens of a sequence (a short prompt, a prefix hit's last
+    tokens) as a decode step's rows: one row per fed token, each reading the columns up to
+    its own position, which is the causal mask, row by row:
+
+        prompt A, 5 tokens, 2 cached:   [ .  .  A0 A1 A2 ]   row 0 feeds A2
+                                        [ .  A0 A1 A2 A3 ]   row 1 feeds A3
+                                        [ A0 A1 A2 A3 A4 ]   row 2 feeds A4: A's next token
+
+    A row reads keys that rows before it write in the same pass: the step writes every
+    row's key and value into the pool before attention reads (paged_attention.PagedStep).
+    Returns the decode step's tensors as DecodeIndex.update does (tokens, positions,
+    read_slots, write_slots, visible: R rows), and last (B,), each sequence's last row,
+    whose logits and token are the sequence's."""
+    rows = [(s, p) for s in batch for p in range(s.first_fed(s.num_cached), s.context_len)]
+    S = max(s.context_len for s in batch)
+    sequences = [s for s, _ in rows]
+    positions, slots = column_slots(sequences, S, tokens_per_block, [p + 1 for _, p in rows])
+    # a position the pool holds already (a prompt found whole in the prefix cache feeds its
+    # last token again, for its logits) is not written: its block may be shared
+    cached = torch.tensor([p < s.num_cached for s, p in rows])
+    tokens = torch.tensor([[s.tokens[s.start + p]] for s, p in rows])             # (R, 1)
+    last = torch.cumsum(torch.tensor([s.context_len - s.first_fed(s.num_cached) for s in batch]), 0) - 1
+    # positions with DecodeIndex.rebuild's strides, for the same reason (the graph's guards)
+    index = (tokens, positions[:, -1:].clone(memory_format=torch.contiguous_format), slots,
+             torch.where(cached, NULL_BLOCK, slots[:, -1]), positions >= 0)
+    return tuple(t.to(device) for t in index), last.to(device)
 
 
 class DecodeIndex:

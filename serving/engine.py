@@ -14,7 +14,7 @@ unchanged forward of the cached model (KVCacheGPT or KVCacheLlama) with a PagedC
 (paged_cache.py) as their cache, samples one token per sequence with its own settings, and
 hands each request its new text. A decode step goes through the compiled step instead
 (paged_attention.py), its index tensors kept from step to step (decode_index.py) and the
-tokens drawn inside it. The HTTP
+tokens drawn inside it; with compile, so does a short prefill, each token a row. The HTTP
 server (server.py) and the serving benchmark (benchmarks/serving.py) are two callers of
 this one loop.
 """
@@ -31,12 +31,17 @@ import torch
 from kv_quant import cache_bytes, dtype_name
 from sample import check_sampling_args, sample, sample_rows_with_noise
 from serving.admission import Limits
-from serving.decode_index import DecodeIndex, column_slots
+from serving.decode_index import DecodeIndex, column_slots, fed_rows
 from serving.lone_step import LoneStep
 from serving.paged_attention import compiled_decode_step
 from serving.paged_cache import NULL_BLOCK, BlockPool, PagedCache
 from serving.scheduler import FINISHED, Scheduler, Sequence
 from plumbing.text_stream import SampleText
+
+
+# the most columns a prefill fed as rows of the compiled step may read, all rows together
+# (Engine.fits_compiled_step): a prefix hit of 16 tokens over 200 reads 3,300
+ROW_COLUMNS = 4096
 
 
 @dataclass(frozen=True)
@@ -163,9 +168,10 @@ class Engine:
         (eager, plain PyTorch: the pool gathered for SDPA; paged_cache.py compares).
         limits: admission.Limits (default: its defaults).
         compile: a request decoding alone goes through the compiled step (lone_step.py),
-        built here (seconds to minutes, and a copy of the weights); and the decode step of
-        a batch is compiled with the weights frozen into it (paged_attention.py: faster
-        matmuls). Both hold the weights as they were: change none while the engine serves."""
+        built here (seconds to minutes, and a copy of the weights); the decode step of a
+        batch is compiled with the weights frozen into it and its matmuls tuned
+        (paged_attention.py), and short prefills go through it too, each token a row.
+        Both hold the weights as they were: change none while the engine serves."""
         if attention not in ("kernel", "gather"):
             raise ValueError(f"attention must be 'kernel' or 'gather', got {attention!r}")
         self.model, self.tokenizer = model, tokenizer
@@ -180,7 +186,7 @@ class Engine:
         self.pool = BlockPool(config, num_blocks, tokens_per_block, self.device, weight.dtype)
         self.scheduler = Scheduler(self.pool, config.context_len, max_batch, max_prefill_tokens)
         self.lone = LoneStep(model, self.pool) if compile else None
-        self.lone_steps = 0
+        self.lone_steps = self.compiled_prefills = 0
         self.index = DecodeIndex(tokens_per_block, self.device)
         # Gumbel noise of the batch's draw (sample.sample_rows_with_noise), refilled each step
         # that samples: a buffer, so that a greedy batch touches none of it
@@ -252,12 +258,11 @@ class Engine:
         if not batch:
             return False
         self.peak_blocks = max(self.peak_blocks, self.pool.num_used())
-        draw = self.draw_inputs(batch)
-        logits, every_position, tokens = self.forward(batch, draw)
+        logits, every_position, tokens = self.forward(batch)
         if every_position is not None:
             self.score_prompts(every_position, batch)
         self.scheduler.computed(batch)
-        tokens = self.sample(logits, batch, draw, tokens)
+        tokens = self.sample(logits, batch, tokens)
         logprobs = self.token_logprobs(logits, tokens, batch)
         for request, token, logprob in zip(batch, tokens.tolist(), logprobs):
             if request.params.max_tokens == 0:  # the prefill was all it asked for
@@ -268,41 +273,82 @@ class Engine:
         self.steps += 1
         return True
 
-    def forward(self, batch, draw):
+    def forward(self, batch):
         """Feed every sequence its tokens not yet cached, in one pass: the logits (B, V) of
         each sequence's last token; those of every fed position (B, T, V) when a sequence
         of the batch scores its prompt (else None: only the last position's are computed,
-        which spares a (T x vocab) matmul); the tokens (B,) drawn inside the compiled decode
-        step from draw (draw_inputs'), else None.
+        which spares a (T x vocab) matmul); the tokens (B,) drawn inside the compiled step,
+        else None.
 
-        Three ways: a request decoding alone, through the lone step (with compile); a
-        decode pass (one token a row, past the first column: warm_up says why), through
-        the compiled decode step (attention "kernel"); anything else (prefills, "gather"),
+        Three ways: a request decoding alone, through the lone step (with compile); a decode
+        pass, and with compile a short prefill, through the compiled step, one row per token
+        (attention "kernel"); anything else (long prefills, a prompt scored, "gather"),
         through the model's eager forward with a PagedCache."""
         if self.lone is not None and self.decodes_alone(batch):
             self.lone_steps += 1
             return self.lone.decode(batch[0]), None, None
         every = any(s.score_prompt for s in batch)
-        if self.compiled_decode and not every and self.is_decode_pass(batch):
-            logits, tokens = self.decode_compiled(batch, draw)
+        if self.compiled_decode and not every and self.fits_compiled_step(batch):
+            logits, tokens = self.run_compiled(batch)
             return logits, None, tokens
         tokens, cache = self.prepare(batch)
         logits = self.model(tokens, cache, last_only=not every)[0]
         return logits[:, -1], logits if every else None, None
 
-    @staticmethod
-    def is_decode_pass(batch):
-        """Every sequence feeds one token, and some reads more than that one column."""
-        return (all(s.context_len - s.first_fed(s.num_cached) == 1 for s in batch)
-                and max(s.context_len for s in batch) > 1)
+    def fits_compiled_step(self, batch):
+        """A decode pass; or, with compile, a pass whose every fed token can be a row of the
+        compiled step: at most max_batch of them (the rows the draw's noise buffer has),
+        reading at most ROW_COLUMNS columns together. Each row reads its whole context,
+        where an eager prefill's attention reads it once for all its tokens: a few rows over
+        a short context is what gains (a prefix hit's last tokens, a short prompt). Without
+        compile the step's matmuls are MKL's, and a prefix hit's 16 rows ran slower through
+        it than eagerly (16.4 against 14.4 ms). And some row reads more than one column (a
+        pass over one column only, a one-token prompt's prefill, would be a third graph:
+        warm_up)."""
+        fed = [self.num_fed(s) for s in batch]
+        if max(fed) > 1:  # a prefill
+            if self.lone is None:
+                return False
+            # the fed row at position p reads p + 1 columns
+            columns = sum(n * s.context_len - n * (n - 1) // 2 for n, s in zip(fed, batch))
+            if sum(fed) > self.noise.size(0) or columns > ROW_COLUMNS:
+                return False
+        return max(s.context_len for s in batch) > 1
 
-    def decode_compiled(self, batch, draw):
-        """The logits (B, V) of a decode pass through the compiled step, and the tokens
-        (B,) it drew: the pool's slots from the decode index (kept from the last step),
-        each row's temperature and noise from draw."""
-        tokens, positions, read_slots, write_slots, visible = self.index.update(batch)
-        return compiled_decode_step(self.model, tokens, positions, self.pool.kv, read_slots,
-                                    write_slots, visible, *draw, freeze=self.lone is not None)
+    @staticmethod
+    def num_fed(sequence):
+        return sequence.context_len - sequence.first_fed(sequence.num_cached)
+
+    def run_compiled(self, batch):
+        """A pass through the compiled step: the logits (B, V) of each sequence's last token
+        and the token (B,) drawn for it. A decode pass's rows are its sequences, their index
+        kept from the last step (DecodeIndex); a pass that feeds a sequence several tokens
+        (a short prompt, a prefix hit's last tokens) feeds each as a row of its own
+        (decode_index.fed_rows) and keeps each sequence's last row.
+
+        What it buys: the pass of a prefix hit's 16 tokens over 192 cached columns took 8.2
+        ms on the bundled model, 12.9 eagerly (docs/serving.md, round 6)."""
+        temperature, noise = self.draw_inputs(batch)
+        if all(self.num_fed(s) == 1 for s in batch):
+            (tokens, positions, read_slots, write_slots, visible), last = self.index.update(batch), None
+        else:
+            (tokens, positions, read_slots, write_slots, visible), last = fed_rows(
+                batch, self.pool.tokens_per_block, self.device)
+            temperature, noise = self.draw_at_rows(temperature, noise, last, len(tokens))
+            self.compiled_prefills += 1
+        logits, drawn = compiled_decode_step(self.model, tokens, positions, self.pool.kv, read_slots,
+                                             write_slots, visible, temperature, noise,
+                                             freeze=self.lone is not None)
+        return (logits, drawn) if last is None else (logits[last], drawn[last])
+
+    def draw_at_rows(self, temperature, noise, last, num_rows):
+        """The batch's draw (a row per sequence) moved to each sequence's last row of a pass
+        of num_rows; the other rows' tokens are not kept, so they draw greedily. The noise is
+        the same a pass of a row per sequence draws: the same seed, the same tokens."""
+        rows_temperature = torch.zeros(num_rows, device=self.device).index_copy_(0, last, temperature)
+        rows_noise = self.noise[:num_rows, :noise.size(1)]  # the buffer's rows: the graph's strides
+        rows_noise[last] = noise.clone()  # (the rows overlap the batch's: copied first)
+        return rows_temperature, rows_noise
 
     @staticmethod
     def decodes_alone(batch):
@@ -368,13 +414,15 @@ class Engine:
             noise.uniform_().log_().neg_().log_().neg_()
         return temperature, noise
 
-    def sample(self, logits, batch, draw, drawn=None):
+    def sample(self, logits, batch, drawn=None):
         """One token per row, (B,): the batch's draw (drawn: already made inside the compiled
         step), except for the requests that draw alone (Request.draws_alone), each group of
         the same settings drawn together by sample(), a seeded request from its generator."""
         logits = logits[:, :self.tokenizer.n_vocab]  # padding rows of the embedding table
-        temperature, noise = draw
-        tokens = sample_rows_with_noise(logits, noise, temperature) if drawn is None else drawn
+        tokens = drawn
+        if tokens is None:
+            temperature, noise = self.draw_inputs(batch)
+            tokens = sample_rows_with_noise(logits, noise, temperature)
         groups = {}
         for row, r in enumerate(batch):
             if r.draws_alone:

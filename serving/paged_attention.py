@@ -23,13 +23,18 @@ the pool as its cache (PagedStep), so that the kernel, the matmuls and the small
 between them (LayerNorm, GELU, residuals) are one graph of generated loops instead of a
 hundred calls from Python a step; the draw of each row's next token is in the graph too
 (sample.sample_rows_with_noise, each row with its own temperature), so what comes back is
-tokens ready to hand out, not logits to sample in Python. Only decode (one new query per
-sequence) goes through it; a prefill's queries need the causal mask, and its matmuls dwarf
-the copy, so prefills keep the gather and SDPA.
+tokens ready to hand out, not logits to sample in Python. Its rows are queries, one per
+row: a decode step's rows are its sequences, and a short prefill (a prefix hit's last
+tokens, a short prompt) can be rows too, one per token, each reading the columns up to its
+own (decode_index.fed_rows: the causal mask, row by row). A long prefill's queries are
+better read together, each key once for all of them: it keeps the gather and SDPA.
 """
+
+import warnings
 
 import torch
 
+from generation.compiled_step import BUILD_OPTIONS
 from sample import sample_rows_with_noise
 
 
@@ -112,17 +117,21 @@ def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, 
     constants, which lets the C++ unroll the loop over a head's values; dynamic=True would
     make every size a variable.
 
-    freeze=True (the engine's compile option) compiles it with freezing: the weights
-    become constants of the graph, so inductor lays each Linear's weight out once for
-    oneDNN's matmul (its blocked layout; generation/cpu_layout.py does the same for eager
-    calls) instead of calling MKL, which packs the weight again on every call: 1.3-2.8x per
-    matmul at 16-64 rows on this project's CPU; the GPT-2-small-shape server under 64
-    requests went from 0.93x to 1.38x llama-server's throughput (docs/serving.md). The
-    price: the graph keeps the weights it was compiled with, so a model's weights must not
-    change while an engine serves it, and each model is a graph of its own (compiled again
-    for every model: tens of seconds more per engine in a process that makes many, hence
-    not the default). A server compiles two; the limit of graphs per function is raised
-    for processes that make many engines. Both options are read when a graph is compiled, inside the call: hence the
+    freeze=True (the engine's compile option) compiles it as generation/compiled_step.py
+    builds its step (BUILD_OPTIONS): with freezing, the weights become constants of the
+    graph, laid out once for their kernel, and with max_autotune, each matmul timed at
+    build time through oneDNN (its blocked layout; generation/cpu_layout.py does the same
+    for eager calls) and through inductor's own C++ template, the faster compiled in. Either
+    beats MKL, which packs the weight again on every call: oneDNN alone took the
+    GPT-2-small-shape server under 64 requests from 0.93x to 1.38x llama-server's
+    throughput; the template, which wins at the bundled model's 256-wide Linears, its
+    64-request steps a further 1.15x, and a pass of 2 rows from 6.7 to 3.4 ms
+    (docs/serving.md, round 6). The price: the graph keeps the weights it was compiled
+    with, so a model's weights must not change while an engine serves it, and each model
+    is a graph of its own (compiled again for every model, timing its matmuls: a minute
+    or more per engine in a process that makes many, hence not the default). A server
+    compiles two; the limit of graphs per function is raised for processes that make many
+    engines. The options are read when a graph is compiled, inside the call: hence the
     patch around it (torch.compile's options= does not reach freezing)."""
     if freeze not in _compiled:
         _compiled[freeze] = torch.compile(frozen_decode_step if freeze else decode_step, fullgraph=True)
@@ -130,6 +139,10 @@ def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, 
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
     for tensor in (read_slots, visible):
         torch._dynamo.maybe_mark_dynamic(tensor, 1)
-    with torch._inductor.config.patch(freezing=freeze), torch._dynamo.config.patch(recompile_limit=GRAPH_LIMIT):
+    options = BUILD_OPTIONS if freeze else {}
+    with torch._inductor.config.patch(options), torch._dynamo.config.patch(recompile_limit=GRAPH_LIMIT), \
+            warnings.catch_warnings():
+        # a deprecation notice from inside torch's autotuning, nothing of ours
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
         return _compiled[freeze](model, tokens, positions, kv, read_slots, write_slots, visible,
                                  temperature, noise)

@@ -1,7 +1,8 @@
 """The engine's decode step: its index tensors, kept from step to step (serving/
-decode_index.py), equal the ones built from the block tables at every step; and the
-tokens it draws inside the compiled graph equal the same draw made eagerly, and follow the
-model's distribution."""
+decode_index.py), equal the ones built from the block tables at every step; a prefill's
+tokens laid out as rows of their own read what a causal mask lets them; and the tokens it
+draws inside the compiled graph equal the same draw made eagerly, and follow the model's
+distribution."""
 
 import pytest
 import torch
@@ -10,8 +11,10 @@ from base_model import GPTConfig
 from conftest import byte_tokenizer, random_prompts, tiny_model
 from generation.loop import generate_tokens
 from sample import probabilities
-from serving.decode_index import DecodeIndex
+from serving.decode_index import DecodeIndex, fed_rows, slot_of
 from serving.engine import Engine, SamplingParams
+from serving.paged_cache import NULL_BLOCK
+from serving.scheduler import Sequence
 
 CONFIG = GPTConfig(context_len=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
 TOKENIZER = byte_tokenizer()
@@ -54,6 +57,36 @@ def run(engine, prompts, params):
     requests = [engine.add_request(p, params) for p in prompts]
     engine.run_until_done()
     return [r.tokens[r.prompt_len:] for r in requests]
+
+
+def sequence(tokens, blocks, num_cached, start=0):
+    s = Sequence(tokens)
+    s.blocks, s.num_cached, s.start = blocks, num_cached, start
+    return s
+
+
+def test_a_prefill_fed_as_rows_reads_each_row_up_to_its_own_position():
+    # 4 tokens a block. a: 11 tokens, 8 cached (a prefix hit), 3 fed; b: 5 tokens, none
+    # cached; c: 6 tokens all cached (found whole: its last is fed again, not written);
+    # d: moved past the context (start 3), 2 of its 6 context tokens cached
+    tpb = 4
+    a = sequence(list(range(100, 111)), [7, 3, 9], 8)
+    b = sequence(list(range(200, 205)), [5, 2], 0)
+    c = sequence(list(range(300, 306)), [7, 4], 6)
+    d = sequence(list(range(400, 409)), [8, 6], 2, start=3)
+    (tokens, positions, read_slots, write_slots, visible), last = fed_rows([a, b, c, d], tpb, "cpu")
+    expected_rows = [(a, p) for p in (8, 9, 10)] + [(b, p) for p in range(5)] + [(c, 5)] + [(d, p) for p in range(2, 6)]
+    S = 11  # the longest context
+    assert read_slots.shape == visible.shape == (len(expected_rows), S)
+    for r, (s, p) in enumerate(expected_rows):
+        assert tokens[r, 0] == s.tokens[s.start + p] and positions[r, 0] == p
+        # right-aligned: the row's last column holds its own position, p + 1 columns visible
+        assert visible[r].tolist() == [False] * (S - p - 1) + [True] * (p + 1)
+        assert read_slots[r, S - p - 1:].tolist() == [slot_of(s, q, tpb) for q in range(p + 1)]
+        assert (read_slots[r, :S - p - 1] == NULL_BLOCK).all()
+        assert write_slots[r] == (NULL_BLOCK if p < s.num_cached else slot_of(s, p, tpb))
+    assert last.tolist() == [2, 7, 8, 12]  # each sequence's last row: its next token's logits
+    assert positions.stride() == (1, 1)  # as the decode index's: the graph guards on strides
 
 
 @pytest.mark.parametrize("temperature", [0.8, 1.5])

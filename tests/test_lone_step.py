@@ -190,9 +190,10 @@ def test_a_lone_client_of_the_server_is_served_by_the_compiled_step(model, build
 
 
 def test_with_compile_the_batch_step_has_the_weights_frozen_in_and_the_same_tokens(builds):
-    # Engine(compile=True) also compiles the batched decode step with freezing
-    # (paged_attention.py): inductor packs every Linear's weight for oneDNN. A model of its
-    # own: the frozen graph is compiled for it here, and its weights are constants in it.
+    # Engine(compile=True) also compiles the batched decode step with freezing and
+    # max_autotune (paged_attention.py): inductor lays every Linear's weight out for oneDNN
+    # and times that against its own template. A model of its own: the frozen graph is
+    # compiled for it here, and its weights are constants in it.
     from torch._dynamo.utils import counters
     model = tiny_model(CONFIG, seed=5)
     prompts = [prompt_of(6, seed=6), prompt_of(11, seed=7)]
@@ -206,3 +207,34 @@ def test_with_compile_the_batch_step_has_the_weights_frozen_in_and_the_same_toke
     assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] >= 9
     for p, f, prompt in zip(plain, frozen, prompts):
         assert generated(f) == generated(p) == alone(model, prompt, 20, temperature=0)
+
+
+def test_with_compile_short_prefills_go_through_the_compiled_step_as_rows(model, builds):
+    # a prefix hit's last tokens, and two short prompts admitted together, are fed as rows
+    # of the compiled step (decode_index.fed_rows); a long prompt (more tokens than
+    # max_batch) is still the eager pass's. Every token's log-probability as the engine
+    # without compile gives it, within 1e-5 (the same arithmetic in another order): a row
+    # reading a wrong column moves them by ~1e-2 (tried: every row's key written nowhere),
+    # where this near-uniform random model's greedy tokens hardly move at all
+    prefix = prompt_of(24, seed=9)
+    prompts = [prefix + [5, 6], prefix + [7, 8, 9], prompt_of(5, seed=10), prompt_of(9, seed=11)]
+    runs = []
+    for compile in (False, True):
+        engine = Engine(model, TOKENIZER, tokens_per_block=8, max_batch=16, compile=compile)
+        outputs = {}
+        passes = []
+        for group in ([prompts[0]], [prompts[1]], prompts[2:]):  # the pair is admitted together
+            for prompt in group:
+                engine.add_request(prompt, SamplingParams(max_tokens=6, logprobs=0, **GREEDY),
+                                   lambda request, out: outputs.setdefault(request.prompt_len, []).append(out))
+            engine.run_until_done()
+            passes.append(engine.compiled_prefills)
+        runs.append(outputs)
+    assert passes == [0, 1, 2]  # the long prompt eagerly; the hit; the pair in one pass
+    assert engine.scheduler.cached_tokens == 24
+    plain, rows = runs
+    assert sorted(plain) == sorted(rows) == sorted(len(p) for p in prompts)
+    for length in plain:
+        assert [o.token for o in rows[length]] == [o.token for o in plain[length]]
+        assert [o.logprob.logprob for o in rows[length]] == pytest.approx(
+            [o.logprob.logprob for o in plain[length]], abs=1e-5)

@@ -180,11 +180,11 @@ def test_a_failed_step_ends_what_was_in_flight_and_the_engine_goes_on(model, mon
         broken = threading.Event()
         real_forward = engine.forward
 
-        def forward_once_broken(batch, draw):
+        def forward_once_broken(batch):
             if not broken.is_set():
                 broken.set()
                 raise RuntimeError("out of memory (simulated)")
-            return real_forward(batch, draw)
+            return real_forward(batch)
         monkeypatch.setattr(engine, "forward", forward_once_broken)
         ended = threading.Event()
         first = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5, **GREEDY),
