@@ -23,8 +23,8 @@ the pool as its cache (PagedStep), so that the kernel, the matmuls and the small
 between them (LayerNorm, GELU, residuals) are one graph of generated loops instead of a
 hundred calls from Python a step; the draw of each row's next token is in the graph too
 (sample.sample_rows_with_noise, each row with its own temperature), so what comes back is
-tokens ready to hand out, not logits to sample in Python. Its rows are queries, one per
-row: a decode step's rows are its sequences, and a short prefill (a prefix hit's last
+tokens ready to hand out, not logits to sample in Python. Each of its rows is one query: a
+decode step's rows are its sequences, and a short prefill (a prefix hit's last
 tokens, a short prompt) can be rows too, one per token, each reading the columns up to its
 own (decode_index.fed_rows: the causal mask, row by row). A long prefill's queries are
 better read together, each key once for all of them: it keeps the gather and SDPA.
@@ -124,8 +124,8 @@ def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, 
     for eager calls) and through inductor's own C++ template, the faster compiled in. Either
     beats MKL, which packs the weight again on every call: oneDNN alone took the
     GPT-2-small-shape server under 64 requests from 0.93x to 1.38x llama-server's
-    throughput; the template, which wins at the bundled model's 256-wide Linears, its
-    64-request steps a further 1.15x, and a pass of 2 rows from 6.7 to 3.4 ms
+    throughput; the template, which wins at the bundled model's 256-wide Linears, the
+    engine's 64-request load in process a further 1.20x, and a pass of 2 rows from 6.7 to 3.4 ms
     (docs/serving.md, round 6). The price: the graph keeps the weights it was compiled
     with, so a model's weights must not change while an engine serves it, and each model
     is a graph of its own (compiled again for every model, timing its matmuls: a minute
