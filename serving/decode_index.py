@@ -76,7 +76,7 @@ def fed_rows(batch, tokens_per_block, device):
     # last token again, for its logits) is not written: its block may be shared
     cached = torch.tensor([p < s.num_cached for s, p in rows])
     tokens = torch.tensor([[s.tokens[s.start + p]] for s, p in rows])             # (R, 1)
-    last = torch.cumsum(torch.tensor([s.context_len - s.first_fed(s.num_cached) for s in batch]), 0) - 1
+    last = torch.cumsum(torch.tensor([s.num_fed for s in batch]), 0) - 1
     # positions with DecodeIndex.rebuild's strides, for the same reason (the graph's guards)
     index = (tokens, positions[:, -1:].clone(memory_format=torch.contiguous_format), slots,
              torch.where(cached, NULL_BLOCK, slots[:, -1]), positions >= 0)

@@ -305,7 +305,7 @@ class Engine:
         it than eagerly (16.4 against 14.4 ms). And some row reads more than one column (a
         pass over one column only, a one-token prompt's prefill, would be a third graph:
         warm_up)."""
-        fed = [self.num_fed(s) for s in batch]
+        fed = [s.num_fed for s in batch]
         if max(fed) > 1:  # a prefill
             if self.lone is None:
                 return False
@@ -314,10 +314,6 @@ class Engine:
             if sum(fed) > self.noise.size(0) or columns > ROW_COLUMNS:
                 return False
         return max(s.context_len for s in batch) > 1
-
-    @staticmethod
-    def num_fed(sequence):
-        return sequence.context_len - sequence.first_fed(sequence.num_cached)
 
     def run_compiled(self, batch):
         """A pass through the compiled step: the logits (B, V) of each sequence's last token
@@ -329,7 +325,7 @@ class Engine:
         What it buys: the pass of a prefix hit's 16 tokens over 192 cached columns took 8.2
         ms on the bundled model, 12.9 eagerly (docs/serving.md, round 6)."""
         temperature, noise = self.draw_inputs(batch)
-        if all(self.num_fed(s) == 1 for s in batch):
+        if all(s.num_fed == 1 for s in batch):
             (tokens, positions, read_slots, write_slots, visible), last = self.index.update(batch), None
         else:
             (tokens, positions, read_slots, write_slots, visible), last = fed_rows(
@@ -357,8 +353,7 @@ class Engine:
         for its logits). Any other batch of one would be a graph of its own for the
         compiled batch step: built on first use, seconds to minutes of stall."""
         (request, *others) = batch
-        return (not others and not request.score_prompt
-                and request.first_fed(request.num_cached) == request.context_len - 1)
+        return not others and not request.score_prompt and request.num_fed == 1
 
     def score_prompts(self, logits, batch):
         """request.prompt_logprobs for the prompts scored in this pass, from the logits
@@ -390,7 +385,7 @@ class Engine:
         the last T columns are fed, T = the most uncached tokens of any row. A row with
         fewer feeds some cached tokens again (so does a prompt being scored, whose every
         position's logits are needed); their writes go to the null block."""
-        feed = [s.context_len - s.first_fed(s.num_cached) for s in batch]
+        feed = [s.num_fed for s in batch]
         T, S = max(feed), max(s.context_len for s in batch)
         positions, slots = column_slots(batch, S, self.pool.tokens_per_block)     # (B, S) each
         pad = (positions < 0).sum(dim=1)                                           # (B,)

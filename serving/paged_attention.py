@@ -125,8 +125,8 @@ def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, 
     beats MKL, which packs the weight again on every call: oneDNN alone took the
     GPT-2-small-shape server under 64 requests from 0.93x to 1.38x llama-server's
     throughput; the template, which wins at the bundled model's 256-wide Linears, the
-    engine's 64-request load in process a further 1.20x, and a pass of 2 rows from 6.7 to 3.4 ms
-    (docs/serving.md, round 6). The price: the graph keeps the weights it was compiled
+    engine's 64-request load in process a further 1.20x, and a pass of 2 rows from 6.7 to
+    3.4 ms (docs/serving.md, round 6). The price: the graph keeps the weights it was compiled
     with, so a model's weights must not change while an engine serves it, and each model
     is a graph of its own (compiled again for every model, timing its matmuls: a minute
     or more per engine in a process that makes many, hence not the default). A server

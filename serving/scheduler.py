@@ -57,6 +57,11 @@ class Sequence:
         every position's logits are needed (cached keys are still read, not written)."""
         return 0 if self.score_prompt else min(cached, self.context_len - 1)
 
+    @property
+    def num_fed(self):
+        """How many tokens the next pass feeds (1 while decoding)."""
+        return self.context_len - self.first_fed(self.num_cached)
+
 
 class Scheduler:
     def __init__(self, pool, context_len, max_batch=64, max_prefill_tokens=2048):
