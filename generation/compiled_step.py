@@ -121,17 +121,22 @@ class StepProgram(torch.nn.Module):
     The settings are fixed per program (each is a graph of its own); the draw's noise comes
     in as an input, filled from the caller's torch.Generator, so a seed still fixes the
     text. Without settings (sampling=None) the step hands back its logits (B, T, V): what
-    speculative decoding's verification and its draft need."""
+    speculative decoding's verification and its draft need; with greedy_too, the logits and
+    each row's greedy token (B,): the serving engine's lone step, whose request may sample
+    (from the logits) or not (its token is ready, with no operation run after the step)."""
 
-    def __init__(self, model, sampling, vocab_limit):
+    def __init__(self, model, sampling, vocab_limit, greedy_too=False):
         super().__init__()
         self.model, self.sampling, self.vocab_limit = model, sampling, vocab_limit
+        self.greedy_too = greedy_too
 
     def forward(self, tokens, kv, length, pad, noise):
         logits = decode_step(self.model, tokens, kv, length, pad)        # (B, T, V)
-        if self.sampling is None:
-            return logits
-        return sample_with_noise(logits[:, -1, :self.vocab_limit], noise, **self.sampling)[:, 0]
+        if self.sampling is not None:
+            return sample_with_noise(logits[:, -1, :self.vocab_limit], noise, **self.sampling)[:, 0]
+        if self.greedy_too:
+            return logits, sample_with_noise(logits[:, -1, :self.vocab_limit], noise, temperature=0)[:, 0]
+        return logits
 
 
 def export_program(program, example_inputs):
@@ -182,7 +187,7 @@ class CompiledStep:
     step. Built by compile_for, kept on the model and reused by a later generation of the
     same shapes and settings."""
 
-    def __init__(self, model, kv, tokens_per_step, sampling, vocab_limit):
+    def __init__(self, model, kv, tokens_per_step, sampling, vocab_limit, greedy_too=False):
         batch_size, device = kv.size(2), kv.device
         vocab = vocab_limit or model.config.vocab_size
         # inputs of the graph, allocated once and refilled in place every step
@@ -191,30 +196,32 @@ class CompiledStep:
         self.noise = torch.ones(batch_size, vocab if sampling else 1, device=device)
         self.generator = None
         self.draws = sampling is not None and sampling["temperature"] > 0
-        program = StepProgram(model, sampling, vocab_limit)
+        program = StepProgram(model, sampling, vocab_limit, greedy_too)
         kv = torch.empty_like(kv)  # the real buffer's shape, for tracing (never written)
         tokens = torch.zeros(batch_size, tokens_per_step, dtype=torch.long, device=device)
         self.run = build_program(program, (tokens, kv, self.length, self.no_pad, self.noise))
 
     def decode(self, tokens, cache):
         """Feed tokens (B, T) at the cache's next columns: each row's next token (B,), or
-        the logits (B, T, V) for a program without sampling. The step writes its columns
-        into the cache's buffer in place, and the cache counts them."""
+        the logits (B, T, V) for a program without sampling (and each row's greedy token
+        (B,) after them, for one built greedy_too). The step writes its columns into the
+        cache's buffer in place, and the cache counts them."""
         tokens = tokens.contiguous()  # the library was built for these strides
         pad = cache.pad.contiguous() if cache.pad is not None else self.no_pad
         self.length.fill_(cache.length)
         if self.draws:  # Exp(1) noise for sample_with_noise's draw
             self.noise.exponential_(generator=self.generator)
-        (out,) = self.run([tokens, cache.kv, self.length, pad, self.noise])
+        outputs = self.run([tokens, cache.kv, self.length, pad, self.noise])
         cache.advance(tokens.size(1))
-        return out
+        return outputs if len(outputs) > 1 else outputs[0]
 
 
-def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None):
+def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None, greedy_too=False):
     """The CompiledStep for this cache's shapes, tokens_per_step tokens per row and these
     sampling settings (sample.py's temperature, top_k, top_p and generator; None: the step
-    returns logits), and the seconds building it took, which the loop reports apart from
-    the decode speed. The model keeps the last one it built, reused while shapes, settings
+    returns logits, and with greedy_too each row's greedy token among the first vocab_limit
+    after them), and the seconds building it took, which the loop reports apart from the
+    decode speed. The model keeps the last one it built, reused while shapes, settings
     and weights stay the same (only the last: each holds a copy of the weights).
     cache: a kv_cache.KVCache in the model's dtype."""
     if getattr(cache, "kv_dtype", None) != dtype_name(model.lm_head.weight.dtype):
@@ -231,12 +238,13 @@ def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None
     # version counter moved) or replaced (another tensor) means a new build
     weights = tuple((t.data_ptr(), t._version) for t in itertools.chain(model.parameters(), model.buffers()))
     key = (tuple(cache.kv.shape), cache.kv.dtype, str(cache.kv.device), tokens_per_step,
-           settings and tuple(settings.values()), vocab_limit, weights)
+           settings and tuple(settings.values()), vocab_limit, greedy_too, weights)
     t0 = time.perf_counter()
     built = getattr(model, "_compiled_step", None)
     if built is None or built[0] != key:
         model._compiled_step = None  # free the old one's weights before building
-        model._compiled_step = key, CompiledStep(model, cache.kv, tokens_per_step, settings, vocab_limit)
+        model._compiled_step = key, CompiledStep(model, cache.kv, tokens_per_step, settings,
+                                                 vocab_limit, greedy_too)
     step = model._compiled_step[1]
     step.generator = generator
     return step, time.perf_counter() - t0

@@ -185,7 +185,7 @@ class Engine:
         check_pool_fits(config, num_blocks, tokens_per_block, dtype_name(weight.dtype))
         self.pool = BlockPool(config, num_blocks, tokens_per_block, self.device, weight.dtype)
         self.scheduler = Scheduler(self.pool, config.context_len, max_batch, max_prefill_tokens)
-        self.lone = LoneStep(model, self.pool) if compile else None
+        self.lone = LoneStep(model, self.pool, tokenizer.n_vocab) if compile else None
         self.lone_steps = self.compiled_prefills = 0
         self.index = DecodeIndex(tokens_per_block, self.device)
         # Gumbel noise of the batch's draw (sample.sample_rows_with_noise), refilled each step
@@ -277,8 +277,8 @@ class Engine:
         """Feed every sequence its tokens not yet cached, in one pass: the logits (B, V) of
         each sequence's last token; those of every fed position (B, T, V) when a sequence
         of the batch scores its prompt (else None: only the last position's are computed,
-        which spares a (T x vocab) matmul); the tokens (B,) drawn inside the compiled step,
-        else None.
+        which spares a (T x vocab) matmul); the tokens (B,) drawn inside a compiled step
+        (the lone step's greedy pick, for a greedy request), else None.
 
         Three ways: a request decoding alone, through the lone step (with compile); a decode
         pass, and with compile a short prefill, through the compiled step, one row per token
@@ -286,7 +286,8 @@ class Engine:
         through the model's eager forward with a PagedCache."""
         if self.lone is not None and self.decodes_alone(batch):
             self.lone_steps += 1
-            return self.lone.decode(batch[0]), None, None
+            logits, greedy = self.lone.decode(batch[0])
+            return logits, None, greedy if batch[0].params.temperature == 0 else None
         every = any(s.score_prompt for s in batch)
         if self.compiled_decode and not every and self.fits_compiled_step(batch):
             logits, tokens = self.run_compiled(batch)

@@ -14,7 +14,7 @@ import torch
 
 from base_model import GPTConfig
 from conftest import tiny_model
-from generation import loop
+from generation import compiled_step, loop
 from generation.loop import Generation, GenerationStats, generate_tokens
 from kv_cache import KVCache
 from kv_quant import cache_bytes
@@ -139,3 +139,26 @@ def test_aot_inductor_builds_once_and_matches_eager():
     assert torch.equal(greedy(model, prompts, 40, compile=True, stats=first), greedy(model, prompts, 40))
     assert torch.equal(greedy(model, prompts, 40, compile=True, stats=again), greedy(model, prompts, 40))
     assert first.compile_seconds > 0.5 and again.compile_seconds < 0.1  # built once, reused
+
+
+def test_a_step_built_greedy_too_gives_its_logits_and_the_greedy_pick_among_vocab_limit():
+    """The serving engine's lone step (greedy_too), built for real (two outputs come back
+    from the library): the step's logits, and each row's argmax among the first
+    vocab_limit tokens only, as the engine samples (an embedding table's padding rows past
+    the tokenizer's tokens are never picked). The limit is set at the first row's favourite
+    token, so a pick over the whole vocabulary would differ."""
+    config = GPTConfig(context_len=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16)
+    model = tiny_model(config, seed=23)
+    tokens = torch.tensor([[5], [9]])
+    with torch.no_grad():
+        eager = model(tokens, KVCache(config, 2, "cpu", torch.float32))[0][:, -1]  # (2, V)
+    limit = int(eager[0].argmax())
+    assert limit > 0  # this seed's favourite is not token 0: a limit there leaves tokens to pick
+    cache = KVCache(config, 2, "cpu", torch.float32)
+    step, _ = compiled_step.compile_for(model, cache, vocab_limit=limit, greedy_too=True)
+    with torch.no_grad():
+        logits, picked = step.decode(tokens, cache)
+    # tolerance 1e-5: the library computes the eager arithmetic in another order (~1e-6)
+    assert torch.allclose(logits[:, -1], eager, atol=1e-5)
+    assert torch.equal(picked, eager[:, :limit].argmax(-1))
+    assert picked[0] != eager[0].argmax() and cache.length == 1
