@@ -65,6 +65,25 @@ def test_a_lone_request_decodes_through_the_compiled_step(model, builds):
     assert len(engine.pool.free) == engine.pool.num_blocks
 
 
+def test_a_lone_request_that_samples_is_drawn_not_handed_the_greedy_token(model, builds):
+    # the lone step hands back its greedy pick beside the logits; only a greedy request may
+    # take it. Each token the lone step made (all but the prefill's) is compared with the
+    # greedy pick for its own context: this random model is near-uniform over 260 tokens,
+    # so at temperature 2 a draw seldom lands on it, where taking the pick would match all
+    # 29 (tried: 29)
+    prompt = prompt_of(6, seed=4)
+    engine = Engine(model, TOKENIZER, compile=True)
+    request = engine.add_request(prompt, SamplingParams(max_tokens=30, temperature=2.0, stop_at_eot=False),
+                                 lambda request, output: None)
+    engine.run_until_done()
+    assert engine.lone_steps == 29
+    with torch.no_grad():
+        logits = model(torch.tensor([request.tokens[:-1]]))[0][0, :, :TOKENIZER.n_vocab]  # (T - 1, V)
+    picks = logits.argmax(-1)[len(prompt):].tolist()  # the greedy pick after each context
+    lone_tokens = generated(request)[1:]
+    assert sum(p == t for p, t in zip(picks, lone_tokens)) < 10
+
+
 def test_requests_joining_and_leaving_a_lone_one_change_nothing(model, builds):
     first, second = prompt_of(7, seed=1), prompt_of(12, seed=2)
     engines = [Engine(model, TOKENIZER, tokens_per_block=8, compile=c) for c in (False, True)]
