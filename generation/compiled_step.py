@@ -139,12 +139,13 @@ class StepProgram(torch.nn.Module):
         return logits
 
 
-def export_program(program, example_inputs):
+def export_program(program, example_inputs, dynamic_shapes=None):
     """program traced by torch.export into one graph, every shape fixed by the example
-    inputs (their values are not used: tracing runs on stand-ins of the same shapes)."""
+    inputs (their values are not used: tracing runs on stand-ins of the same shapes),
+    except the sizes dynamic_shapes names (torch.export's form: per input, {dim: Dim})."""
     with warnings.catch_warnings():  # a deprecation notice inside torch, nothing of ours
         warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
-        return torch.export.export(program, example_inputs, strict=False)
+        return torch.export.export(program, example_inputs, dynamic_shapes=dynamic_shapes, strict=False)
 
 
 # How inductor builds the library. A decode step's matmuls have one row per sequence: a
@@ -162,7 +163,7 @@ BUILD_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                  "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 
 
-def build_program(program, example_inputs):
+def build_program(program, example_inputs, dynamic_shapes=None):
     """program ahead of time: exported into one graph, which AOTInductor turns into a C++
     shared library (inductor's generated kernels and the C++ that calls them in turn); a
     function that runs it on a list of input tensors and returns the list of outputs.
@@ -172,7 +173,7 @@ def build_program(program, example_inputs):
     The library keeps its own copy of the weights (quantized ones repacked for their
     kernels): the model's memory once more while it lives. The package is a scratch file,
     deleted once loaded."""
-    exported = export_program(program, example_inputs)
+    exported = export_program(program, example_inputs, dynamic_shapes)
     with tempfile.TemporaryDirectory(prefix="kvcache-step-") as folder, warnings.catch_warnings():
         # deprecation notices from inside torch (its export, its autotuning), nothing of ours
         warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
@@ -187,7 +188,8 @@ class CompiledStep:
     step. Built by compile_for, kept on the model and reused by a later generation of the
     same shapes and settings."""
 
-    def __init__(self, model, kv, tokens_per_step, sampling, vocab_limit, greedy_too=False):
+    def __init__(self, model, kv, tokens_per_step, sampling, vocab_limit, greedy_too=False,
+                 any_columns=False):
         batch_size, device = kv.size(2), kv.device
         vocab = vocab_limit or model.config.vocab_size
         # inputs of the graph, allocated once and refilled in place every step
@@ -199,7 +201,10 @@ class CompiledStep:
         program = StepProgram(model, sampling, vocab_limit, greedy_too)
         kv = torch.empty_like(kv)  # the real buffer's shape, for tracing (never written)
         tokens = torch.zeros(batch_size, tokens_per_step, dtype=torch.long, device=device)
-        self.run = build_program(program, (tokens, kv, self.length, self.no_pad, self.noise))
+        # any_columns: the cache's column count a variable of the library, up to kv's
+        columns = (None, {4: torch.export.Dim("columns", min=2, max=kv.size(4))}, None, None, None)
+        self.run = build_program(program, (tokens, kv, self.length, self.no_pad, self.noise),
+                                 columns if any_columns else None)
 
     def decode(self, tokens, cache):
         """Feed tokens (B, T) at the cache's next columns: each row's next token (B,), or
@@ -216,14 +221,17 @@ class CompiledStep:
         return outputs if len(outputs) > 1 else outputs[0]
 
 
-def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None, greedy_too=False):
+def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None, greedy_too=False,
+                any_columns=False):
     """The CompiledStep for this cache's shapes, tokens_per_step tokens per row and these
     sampling settings (sample.py's temperature, top_k, top_p and generator; None: the step
     returns logits, and with greedy_too each row's greedy token among the first vocab_limit
     after them), and the seconds building it took, which the loop reports apart from the
     decode speed. The model keeps the last one it built, reused while shapes, settings
     and weights stay the same (only the last: each holds a copy of the weights).
-    cache: a kv_cache.KVCache in the model's dtype."""
+    cache: a kv_cache.KVCache in the model's dtype; with any_columns the step also takes
+    a cache of fewer columns than this one's (the serving engine's lone step sizes its
+    cache to the request: attention reads every column of the buffer)."""
     if getattr(cache, "kv_dtype", None) != dtype_name(model.lm_head.weight.dtype):
         # the step writes raw keys and values of the model's dtype into the buffer
         raise ValueError("the compiled decode step needs the preallocated cache in the "
@@ -238,13 +246,13 @@ def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None
     # version counter moved) or replaced (another tensor) means a new build
     weights = tuple((t.data_ptr(), t._version) for t in itertools.chain(model.parameters(), model.buffers()))
     key = (tuple(cache.kv.shape), cache.kv.dtype, str(cache.kv.device), tokens_per_step,
-           settings and tuple(settings.values()), vocab_limit, greedy_too, weights)
+           settings and tuple(settings.values()), vocab_limit, greedy_too, any_columns, weights)
     t0 = time.perf_counter()
     built = getattr(model, "_compiled_step", None)
     if built is None or built[0] != key:
         model._compiled_step = None  # free the old one's weights before building
         model._compiled_step = key, CompiledStep(model, cache.kv, tokens_per_step, settings,
-                                                 vocab_limit, greedy_too)
+                                                 vocab_limit, greedy_too, any_columns)
     step = model._compiled_step[1]
     step.generator = generator
     return step, time.perf_counter() - t0

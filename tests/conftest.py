@@ -156,8 +156,8 @@ def builds(monkeypatch):
     the programs built, to count them."""
     built = []
 
-    def run_exported(program, example_inputs):
-        module = compiled_step.export_program(program, example_inputs).module()
+    def run_exported(program, example_inputs, dynamic_shapes=None):
+        module = compiled_step.export_program(program, example_inputs, dynamic_shapes).module()
         built.append(program)
 
         def run(inputs):  # a list of the outputs, as the library's boxed_run gives them

@@ -141,12 +141,14 @@ def test_aot_inductor_builds_once_and_matches_eager():
     assert first.compile_seconds > 0.5 and again.compile_seconds < 0.1  # built once, reused
 
 
-def test_a_step_built_greedy_too_gives_its_logits_and_the_greedy_pick_among_vocab_limit():
-    """The serving engine's lone step (greedy_too), built for real (two outputs come back
-    from the library): the step's logits, and each row's argmax among the first
-    vocab_limit tokens only, as the engine samples (an embedding table's padding rows past
-    the tokenizer's tokens are never picked). The limit is set at the first row's favourite
-    token, so a pick over the whole vocabulary would differ."""
+def test_the_lone_steps_build_gives_logits_and_greedy_picks_at_any_column_count():
+    """The serving engine's lone step, built for real: two outputs come back from the
+    library, the step's logits and each row's argmax among the first vocab_limit tokens
+    only, as the engine samples (an embedding table's padding rows past the tokenizer's
+    tokens are never picked; the limit is set at the first row's favourite token, so a
+    pick over the whole vocabulary would differ); and, built with any_columns for the
+    context's 16 columns, it runs on a cache of 8 (the column count a variable of the
+    library)."""
     config = GPTConfig(context_len=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16)
     model = tiny_model(config, seed=23)
     tokens = torch.tensor([[5], [9]])
@@ -154,11 +156,14 @@ def test_a_step_built_greedy_too_gives_its_logits_and_the_greedy_pick_among_voca
         eager = model(tokens, KVCache(config, 2, "cpu", torch.float32))[0][:, -1]  # (2, V)
     limit = int(eager[0].argmax())
     assert limit > 0  # this seed's favourite is not token 0: a limit there leaves tokens to pick
-    cache = KVCache(config, 2, "cpu", torch.float32)
-    step, _ = compiled_step.compile_for(model, cache, vocab_limit=limit, greedy_too=True)
-    with torch.no_grad():
-        logits, picked = step.decode(tokens, cache)
-    # tolerance 1e-5: the library computes the eager arithmetic in another order (~1e-6)
-    assert torch.allclose(logits[:, -1], eager, atol=1e-5)
-    assert torch.equal(picked, eager[:, :limit].argmax(-1))
-    assert picked[0] != eager[0].argmax() and cache.length == 1
+    step, _ = compiled_step.compile_for(model, KVCache(config, 2, "cpu", torch.float32),
+                                        vocab_limit=limit, greedy_too=True, any_columns=True)
+    for columns in (16, 8):
+        cache = KVCache(config, 2, "cpu", torch.float32, max_len=columns)
+        cache.kv.zero_()  # unwritten columns are read (masked): no NaN in them
+        with torch.no_grad():
+            logits, picked = step.decode(tokens, cache)
+        # tolerance 1e-5: the library computes the eager arithmetic in another order (~1e-6)
+        assert torch.allclose(logits[:, -1], eager, atol=1e-5)
+        assert torch.equal(picked, eager[:, :limit].argmax(-1))
+        assert picked[0] != eager[0].argmax() and cache.length == 1

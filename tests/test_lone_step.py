@@ -13,6 +13,7 @@ these seeds lack."""
 import pytest
 import torch
 
+from base_model import GPTConfig
 from conftest import tiny_model
 from serving.engine import Engine, SamplingParams
 from test_serving_engine import CONFIG, GREEDY, TOKENIZER, alone, random_prompts  # the engine tests'
@@ -63,6 +64,33 @@ def test_a_lone_request_decodes_through_the_compiled_step(model, builds):
     plain, lone = ([o.logprob.logprob for o in outputs] for outputs in runs)
     assert lone == pytest.approx(plain, abs=1e-5)
     assert len(engine.pool.free) == engine.pool.num_blocks
+
+
+def test_the_lone_steps_cache_grows_with_the_request(builds):
+    # the dense cache is sized to the request (GROWTH columns at a time) and gathered again
+    # from the pool into a larger one when outgrown: 64, 128, then the context's 160. The
+    # same tokens as the prompt alone, and log-probabilities within 1e-5 of the engine
+    # without the lone step (the graph's arithmetic in another order, ~1e-6 apart): a
+    # column lost in a regrowth would move them more
+    config = GPTConfig(context_len=160, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
+    model = tiny_model(config, seed=8)
+    prompt = prompt_of(5, seed=6)
+    runs = []
+    for compile in (False, True):
+        engine = Engine(model, TOKENIZER, tokens_per_block=8, compile=compile)
+        outputs = []
+        request = engine.add_request(prompt, SamplingParams(max_tokens=150, logprobs=0, **GREEDY),
+                                     lambda request, output: outputs.append(output))
+        sizes = set()
+        while engine.has_work():
+            engine.step()
+            if compile and engine.lone.holds is not None:
+                sizes.add(engine.lone.cache.max_len)
+        runs.append(outputs)
+    assert sizes == {64, 128, 160} and engine.lone_steps == 149
+    assert generated(request) == alone(model, prompt, 150, temperature=0)
+    plain, lone = ([o.logprob.logprob for o in outputs] for outputs in runs)
+    assert lone == pytest.approx(plain, abs=1e-5)
 
 
 def test_a_lone_request_that_samples_is_drawn_not_handed_the_greedy_token(model, builds):
