@@ -34,6 +34,8 @@ dense cache of one row:
     request, so one build serves every request.
 """
 
+import math
+
 import torch
 
 from generation.compiled_step import compile_for
@@ -78,7 +80,7 @@ class LoneStep:
     def load(self, request, length):
         """Copy the request's first `length` context columns from the pool, into a cache
         with room for the next column (GROWTH columns at a time, at most the context)."""
-        columns = min(-(-(length + 1) // GROWTH) * GROWTH, self.config.context_len)
+        columns = min(math.ceil((length + 1) / GROWTH) * GROWTH, self.config.context_len)
         if self.cache.max_len != columns:
             self.cache = KVCache(self.config, 1, self.device, self.dtype, max_len=columns)
         # the columns past the request's are read (masked): a NaN left in the buffer would
