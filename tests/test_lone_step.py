@@ -32,6 +32,24 @@ def generated(request):
     return request.tokens[request.prompt_len:]
 
 
+def both_ways(model, prompt, n, watch=None):
+    """A greedy request of n tokens with log-probabilities, through an engine without the
+    lone step, then one with it: (the second request, each run's log-probabilities, the
+    second engine). watch(engine), if given, is called after each of the second's steps."""
+    runs = []
+    for compile in (False, True):
+        engine = Engine(model, TOKENIZER, tokens_per_block=8, compile=compile)
+        outputs = []
+        request = engine.add_request(prompt, SamplingParams(max_tokens=n, logprobs=0, **GREEDY),
+                                     lambda request, output: outputs.append(output))
+        while engine.has_work():
+            engine.step()
+            if compile and watch is not None:
+                watch(engine)
+        runs.append([o.logprob.logprob for o in outputs])
+    return request, runs, engine
+
+
 def pool_columns(engine, request):
     """The request's cached keys and values as the pool holds them: (n_layer, 2, positions, nh, hd)."""
     tpb = engine.pool.tokens_per_block
@@ -45,14 +63,7 @@ def test_a_lone_request_decodes_through_the_compiled_step(model, builds):
     # equal the engine's own step's within 1e-5 (the graph computes the same arithmetic in
     # another order, ~1e-6 apart): a stale or missing cache column would move them more
     prompt = prompt_of(5)
-    runs = []
-    for compile in (False, True):
-        engine = Engine(model, TOKENIZER, tokens_per_block=8, compile=compile)
-        outputs = []
-        request = engine.add_request(prompt, SamplingParams(max_tokens=150, logprobs=0, **GREEDY),
-                                     lambda request, output: outputs.append(output))
-        engine.run_until_done()
-        runs.append(outputs)
+    request, (plain, lone), engine = both_ways(model, prompt, 150)
     assert len(builds) == 1  # built once, with the engine
     assert generated(request) == alone(model, prompt, 150, temperature=0)
     # the prompt, then a reprefill (to 32 tokens) at 65, 98 and 131 tokens: the last two find
@@ -61,7 +72,6 @@ def test_a_lone_request_decodes_through_the_compiled_step(model, builds):
     assert engine.scheduler.cached_tokens == 2 * 31  # found, but the last token is computed again
     prefills = 2
     assert engine.lone_steps == 150 - prefills
-    plain, lone = ([o.logprob.logprob for o in outputs] for outputs in runs)
     assert lone == pytest.approx(plain, abs=1e-5)
     assert len(engine.pool.free) == engine.pool.num_blocks
 
@@ -75,21 +85,14 @@ def test_the_lone_steps_cache_grows_with_the_request(builds):
     config = GPTConfig(context_len=160, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
     model = tiny_model(config, seed=8)
     prompt = prompt_of(5, seed=6)
-    runs = []
-    for compile in (False, True):
-        engine = Engine(model, TOKENIZER, tokens_per_block=8, compile=compile)
-        outputs = []
-        request = engine.add_request(prompt, SamplingParams(max_tokens=150, logprobs=0, **GREEDY),
-                                     lambda request, output: outputs.append(output))
-        sizes = set()
-        while engine.has_work():
-            engine.step()
-            if compile and engine.lone.holds is not None:
-                sizes.add(engine.lone.cache.max_len)
-        runs.append(outputs)
+    sizes = set()
+
+    def note_size(engine):  # the dense cache's columns while it holds the request
+        if engine.lone.holds is not None:
+            sizes.add(engine.lone.cache.max_len)
+    request, (plain, lone), engine = both_ways(model, prompt, 150, note_size)
     assert sizes == {64, 128, 160} and engine.lone_steps == 149
     assert generated(request) == alone(model, prompt, 150, temperature=0)
-    plain, lone = ([o.logprob.logprob for o in outputs] for outputs in runs)
     assert lone == pytest.approx(plain, abs=1e-5)
 
 
