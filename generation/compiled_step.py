@@ -201,10 +201,11 @@ class CompiledStep:
         program = StepProgram(model, sampling, vocab_limit, greedy_too)
         kv = torch.empty_like(kv)  # the real buffer's shape, for tracing (never written)
         tokens = torch.zeros(batch_size, tokens_per_step, dtype=torch.long, device=device)
-        # any_columns: the cache's column count a variable of the library, up to kv's
-        columns = (None, {4: torch.export.Dim("columns", min=2, max=kv.size(4))}, None, None, None)
+        # any_columns: the cache's column count (kv's dim 4) a variable of the library, up to
+        # kv's; from 2, as torch.export treats sizes 0 and 1 as constants of their own
+        dynamic_columns = (None, {4: torch.export.Dim("columns", min=2, max=kv.size(4))}, None, None, None)
         self.run = build_program(program, (tokens, kv, self.length, self.no_pad, self.noise),
-                                 columns if any_columns else None)
+                                 dynamic_columns if any_columns else None)
 
     def decode(self, tokens, cache):
         """Feed tokens (B, T) at the cache's next columns: each row's next token (B,), or

@@ -411,9 +411,10 @@ class Engine:
         return temperature, noise
 
     def sample(self, logits, batch, drawn=None):
-        """One token per row, (B,): the batch's draw (drawn: already made inside the compiled
-        step), except for the requests that draw alone (Request.draws_alone), each group of
-        the same settings drawn together by sample(), a seeded request from its generator."""
+        """One token per row, (B,): the batch's draw (drawn: already made inside a compiled
+        step, the batch's or the lone step's greedy pick), except for the requests that draw
+        alone (Request.draws_alone), each group of the same settings drawn together by
+        sample(), a seeded request from its generator."""
         logits = logits[:, :self.tokenizer.n_vocab]  # padding rows of the embedding table
         tokens = drawn
         if tokens is None:
