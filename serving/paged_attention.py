@@ -28,14 +28,23 @@ decode step's rows are its sequences, and a short prefill (a prefix hit's last
 tokens, a short prompt) can be rows too, one per token, each reading the columns up to its
 own (decode_index.fed_rows: the causal mask, row by row). A long prefill's queries are
 better read together, each key once for all of them: it keeps the gather and SDPA.
+
+The loops torch.compile makes of decode_attention read the pool at a third of the memory's
+speed. paged_attention.cpp is the same kernel written by hand (one pass over a sequence's
+columns, the softmax taken on the way), near a plain read of the same bytes; a step compiled
+with the weights frozen in (the engine's compile option) runs it (attention_for).
 """
 
+import functools
 import warnings
+from pathlib import Path
 
 import torch
 
 from generation.compiled_step import BUILD_OPTIONS
 from sample import sample_rows_with_noise
+
+KERNEL_SOURCE = Path(__file__).with_name("paged_attention.cpp")
 
 
 def decode_attention(q, k_pool, v_pool, slots, visible):
@@ -58,13 +67,51 @@ def decode_attention(q, k_pool, v_pool, slots, visible):
     return out.reshape(B, nh, 1, hd).to(v_pool.dtype)
 
 
+@functools.cache
+def hand_written_kernel():
+    """decode_attention written by hand in C++ (paged_attention.cpp: each column's key and
+    value read once for every head, the softmax taken on the way), as
+    torch.ops.kvcache_gpt.decode_attention; decode_attention itself where it cannot be
+    built (with a warning). The first call on a machine compiles it (~15-30 s; torch keeps
+    the library in ~/.cache/torch_extensions, so later processes only load it): the same
+    C++ compiler torch.compile needs."""
+    from torch.utils.cpp_extension import load  # its import alone takes a second
+    # built for this CPU's instructions (-march=native), so named for them: a cache shared
+    # with another kind of machine keeps a build for each
+    name = f"kvcache_gpt_paged_attention_{torch.backends.cpu.get_cpu_capability().lower()}"
+    try:
+        load(name=name, sources=[str(KERNEL_SOURCE)], is_python_module=False,
+             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except (OSError, RuntimeError) as e:  # no compiler, or the build failed
+        first_line = str(e).splitlines()[0][:200] if str(e) else type(e).__name__  # a compiler's log is long
+        warnings.warn(f"the hand-written paged attention kernel could not be built ({first_line}); "
+                      "using decode_attention", stacklevel=2)
+        return decode_attention
+
+    @torch.library.register_fake("kvcache_gpt::decode_attention")
+    def _(q, k_pool, v_pool, slots, visible):  # its output's shape, for torch.compile's tracing
+        return torch.empty_like(q)
+    return torch.ops.kvcache_gpt.decode_attention
+
+
+def attention_for(kv):
+    """The paged kernel a compiled step with the weights frozen in runs over this pool: the
+    hand-written one for a float32 pool on the CPU (what it is written for), else
+    decode_attention."""
+    if kv.device.type == "cpu" and kv.dtype == torch.float32:
+        return hand_written_kernel()
+    return decode_attention
+
+
 class PagedStep:
     """What attention sees as its cache inside the compiled decode step (a kv_cache.Cache):
-    each sequence's new key and value go to its slot of the pool, then decode_attention
-    reads every column through the block tables."""
+    each sequence's new key and value go to its slot of the pool, then the paged kernel
+    (decode_attention, or its hand-written twin) reads every column through the block
+    tables."""
 
-    def __init__(self, kv, read_slots, write_slots, visible):
+    def __init__(self, kv, read_slots, write_slots, visible, attention=decode_attention):
         self.kv, self.read_slots, self.visible = kv, read_slots, visible  # kv: the whole pool
+        self.attention = attention
         # index tensors broadcasting to (2, B): k and v, each sequence's slot
         self.k_or_v = torch.arange(2, device=kv.device).view(2, 1)
         self.write_slots = write_slots.view(1, -1)
@@ -76,19 +123,21 @@ class PagedStep:
         layer_index = torch.full((1, 1), layer, device=k.device)
         new = torch.stack([k, v])[:, :, :, 0]                               # (2, B, n_kv_head, hd)
         self.kv.index_put_((layer_index, self.k_or_v, self.write_slots), new)
-        return decode_attention(q, self.kv[layer, 0], self.kv[layer, 1], self.read_slots, self.visible)
+        return self.attention(q, self.kv[layer, 0], self.kv[layer, 1], self.read_slots, self.visible)
 
 
-def decode_step(model, tokens, positions, kv, read_slots, write_slots, visible, temperature, noise):
+def decode_step(model, tokens, positions, kv, read_slots, write_slots, visible, temperature, noise,
+                attention=decode_attention):
     """One decode step over the pool: the logits (B, V) and each row's next token (B,),
     drawn by sample.sample_rows_with_noise (temperature (B,), Gumbel noise (B, vocab)) inside
     the step, so that what comes back is ready to hand out. tokens, positions (B, 1): each
     sequence's newest token and its position; kv: the pool's buffer, (n_layer, 2, slots,
     n_kv_head, hd), written in place; read_slots (B, S), write_slots (B,), visible (B, S)
-    as decode_attention takes them. The cached model's forward (KVCacheGPT's or
-    KVCacheLlama's) with the pool as its cache."""
+    as decode_attention takes them; attention: the paged kernel (decode_attention or
+    hand_written_kernel()). The cached model's forward (KVCacheGPT's or KVCacheLlama's) with
+    the pool as its cache."""
     x, block_args = model.embed_at(tokens, positions)                  # (B, 1, C)
-    cache = PagedStep(kv, read_slots, write_slots, visible)
+    cache = PagedStep(kv, read_slots, write_slots, visible, attention)
     for layer, block in enumerate(model.blocks):
         x = block(x, **block_args, cache=cache, layer=layer, mask=None)
     logits = model.head(x)[:, -1]                                       # (B, V)
@@ -96,10 +145,12 @@ def decode_step(model, tokens, positions, kv, read_slots, write_slots, visible, 
     return logits, sample_rows_with_noise(logits[:, :vocab], noise, temperature)
 
 
-def frozen_decode_step(model, tokens, positions, kv, read_slots, write_slots, visible, temperature, noise):
+def frozen_decode_step(model, tokens, positions, kv, read_slots, write_slots, visible, temperature, noise,
+                       attention):
     """decode_step, as a function of its own: torch.compile keeps the graphs it makes per
     function, and these (the weights frozen in) must not be found for a call without."""
-    return decode_step(model, tokens, positions, kv, read_slots, write_slots, visible, temperature, noise)
+    return decode_step(model, tokens, positions, kv, read_slots, write_slots, visible, temperature, noise,
+                       attention)
 
 
 _compiled = {}  # freeze -> the step compiled (torch.compile's wrapper, made once per process)
@@ -132,7 +183,9 @@ def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, 
     or more per engine in a process that makes many, hence not the default). A server
     compiles two; the limit of graphs per function is raised for processes that make many
     engines. The options are read when a graph is compiled, inside the call: hence the
-    patch around it (torch.compile's options= does not reach freezing)."""
+    patch around it (torch.compile's options= does not reach freezing). With freeze the
+    step's paged kernel is also the hand-written one (attention_for): 2.4 against 1.3 ms a
+    layer at 64 sequences of 133 tokens on the bundled model (docs/serving.md, round 8)."""
     if freeze not in _compiled:
         _compiled[freeze] = torch.compile(frozen_decode_step if freeze else decode_step, fullgraph=True)
     for tensor in (tokens, positions, read_slots, write_slots, visible, temperature, noise):
@@ -144,5 +197,8 @@ def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, 
             warnings.catch_warnings():
         # a deprecation notice from inside torch's autotuning, nothing of ours
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
-        return _compiled[freeze](model, tokens, positions, kv, read_slots, write_slots, visible,
-                                 temperature, noise)
+        step = _compiled[freeze]
+        if freeze:
+            return step(model, tokens, positions, kv, read_slots, write_slots, visible, temperature, noise,
+                        attention_for(kv))
+        return step(model, tokens, positions, kv, read_slots, write_slots, visible, temperature, noise)

@@ -16,6 +16,7 @@ import torch
 from base_model import GPTConfig
 from conftest import tiny_model
 from serving.engine import Engine, SamplingParams
+from serving.paged_attention import attention_for, decode_attention
 from test_serving_engine import CONFIG, GREEDY, TOKENIZER, alone, random_prompts  # the engine tests'
 
 
@@ -242,8 +243,9 @@ def test_a_lone_client_of_the_server_is_served_by_the_compiled_step(model, build
 def test_with_compile_the_batch_step_has_the_weights_frozen_in_and_the_same_tokens(builds):
     # Engine(compile=True) also compiles the batched decode step with freezing and
     # max_autotune (paged_attention.py): inductor lays every Linear's weight out for oneDNN
-    # and times that against its own template. A model of its own: the frozen graph is
-    # compiled for it here, and its weights are constants in it.
+    # and times that against its own template; its paged kernel is the hand-written one
+    # (paged_attention.cpp). A model of its own: the frozen graph is compiled for it here,
+    # and its weights are constants in it.
     from torch._dynamo.utils import counters
     model = tiny_model(CONFIG, seed=5)
     prompts = [prompt_of(6, seed=6), prompt_of(11, seed=7)]
@@ -253,6 +255,7 @@ def test_with_compile_the_batch_step_has_the_weights_frozen_in_and_the_same_toke
     for e in engines:
         e.run_until_done()
     plain, frozen = (requests[e] for e in engines)
+    assert attention_for(engines[1].pool.kv) is not decode_attention
     # the 4 Linears of each of the 2 blocks and the lm_head: 9 weights packed in the graph
     assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] >= 9
     for p, f, prompt in zip(plain, frozen, prompts):

@@ -1,0 +1,53 @@
+"""The hand-written paged attention kernel (serving/paged_attention.cpp) against the
+PyTorch one it stands in for (decode_attention): the same outputs over a pool read through
+its views, with every head layout the models have, and padding never read.
+
+Tolerance 1e-5: both compute in float32, the C++ in another order (a running softmax, its
+partial sums scaled as the maximum grows); the outputs are averages of values of order 1,
+where a column read wrongly or a scale missed moves them by ~1e-1."""
+
+import pytest
+import torch
+
+from serving.paged_attention import decode_attention, hand_written_kernel
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    built = hand_written_kernel()  # the first run on a machine compiles it (~15-30 s)
+    assert built is not decode_attention, "the kernel did not build: a C++ compiler is needed"
+    return built
+
+
+def pool_and_reads(n_head, n_kv_head, seed, batch=3, columns=13, head_dim=16, slots=48):
+    """A two-layer pool (layers, k/v, slots, n_kv_head, hd) and what a step of `batch`
+    sequences reads from its second layer: q, each column's slot (distinct, in no order),
+    and visible (batch, columns) with padding at the left and hidden columns inside."""
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, 2, slots, n_kv_head, head_dim, generator=g)
+    q = torch.randn(batch, n_head, 1, head_dim, generator=g)
+    read_slots = torch.randperm(slots, generator=g)[:batch * columns].view(batch, columns)
+    visible = torch.rand(batch, columns, generator=g) > 0.3
+    visible[:, -1] = True          # each sequence sees at least its newest column
+    visible[0, :5] = False         # left padding
+    return q, kv, read_slots, visible
+
+
+@pytest.mark.parametrize("n_head, n_kv_head", [(4, 4), (4, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+def test_the_hand_written_kernel_gives_decode_attentions_outputs(kernel, n_head, n_kv_head):
+    q, kv, read_slots, visible = pool_and_reads(n_head, n_kv_head, seed=n_head + n_kv_head)
+    k_pool, v_pool = kv[1, 0], kv[1, 1]  # views into the pool, as the step passes them
+    expected = decode_attention(q, k_pool, v_pool, read_slots, visible)
+    got = kernel(q, k_pool, v_pool, read_slots, visible)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_the_hand_written_kernel_never_reads_a_hidden_column(kernel):
+    # NaN in every hidden column's key and value: a kernel that reads one, even to weigh
+    # it by zero, gives NaN
+    q, kv, read_slots, visible = pool_and_reads(4, 2, seed=3)
+    expected = decode_attention(q, kv[1, 0], kv[1, 1], read_slots, visible)
+    kv[1, :, read_slots[~visible]] = float("nan")
+    got = kernel(q, kv[1, 0], kv[1, 1], read_slots, visible)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
