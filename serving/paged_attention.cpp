@@ -88,6 +88,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
   TORCH_CHECK(slots.scalar_type() == at::kLong && visible.scalar_type() == at::kBool,
               "decode_attention: slots int64, visible bool");
   const int64_t B = q.size(0), nh = q.size(1), hd = q.size(3), S = slots.size(1);
+  TORCH_CHECK(k_pool.size(2) == hd && nh % k_pool.size(1) == 0 && slots.size(0) == B &&
+                  visible.sizes() == slots.sizes(), "decode_attention: shapes do not match");
   const at::Tensor q_ = q.contiguous(), slots_ = slots.contiguous(), visible_ = visible.contiguous();
   at::Tensor out = at::empty({B, nh, 1, hd}, q.options());
   const float *q_data = q_.data_ptr<float>(), *k_data = k_pool.data_ptr<float>(),
@@ -95,6 +97,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
   const int64_t* slot_data = slots_.data_ptr<int64_t>();
   const bool* visible_data = visible_.data_ptr<bool>();
   float* out_data = out.data_ptr<float>();
+  // a slot outside the pool would be a read of someone else's memory, not an error
+  for (int64_t i = 0; i < B * S; ++i)
+    TORCH_CHECK(slot_data[i] >= 0 && slot_data[i] < k_pool.size(0), "decode_attention: slot ",
+                slot_data[i], " outside the pool of ", k_pool.size(0));
   // sequences split among torch's threads (one OpenMP pool with torch's own operations)
   at::parallel_for(0, B, 1, [&](int64_t first, int64_t end) {
     std::vector<float> acc(nh * hd), running_max(nh), running_sum(nh);

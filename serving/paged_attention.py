@@ -36,6 +36,7 @@ with the weights frozen in (the engine's compile option) runs it (attention_for)
 """
 
 import functools
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def hand_written_kernel():
     try:
         load(name=name, sources=[str(KERNEL_SOURCE)], is_python_module=False,
              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except (OSError, RuntimeError) as e:  # no compiler, or the build failed
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # no compiler, or its build failed
         first_line = str(e).splitlines()[0][:200] if str(e) else type(e).__name__  # a compiler's log is long
         warnings.warn(f"the hand-written paged attention kernel could not be built ({first_line}); "
                       "using decode_attention", stacklevel=2)

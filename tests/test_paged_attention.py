@@ -6,9 +6,14 @@ Tolerance 1e-5: both compute in float32, the C++ in another order (a running sof
 partial sums scaled as the maximum grows); the outputs are averages of values of order 1,
 where a column read wrongly or a scale missed moves them by ~1e-1."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
+from conftest import ROOT
 from serving.paged_attention import decode_attention, hand_written_kernel
 
 
@@ -51,3 +56,25 @@ def test_the_hand_written_kernel_never_reads_a_hidden_column(kernel):
     kv[1, :, read_slots[~visible]] = float("nan")
     got = kernel(q, kv[1, 0], kv[1, 1], read_slots, visible)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_the_hand_written_kernel_refuses_a_slot_outside_the_pool(kernel):
+    # the PyTorch kernel's indexing raises; C++ would read past the pool without the check
+    q, kv, read_slots, visible = pool_and_reads(4, 4, seed=5)
+    read_slots[1, 2] = kv.size(2)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernel(q, kv[1, 0], kv[1, 1], read_slots, visible)
+
+
+def test_without_the_tools_to_build_it_the_step_keeps_the_pytorch_kernel(tmp_path):
+    # no ninja and no compiler on the PATH, an empty build cache: one warning, the PyTorch kernel
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "from serving.paged_attention import decode_attention, hand_written_kernel\n"
+            "print(hand_written_kernel() is decode_attention)")
+    env = {**os.environ, "PATH": str(tmp_path), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True"]
+    warning = [line for line in proc.stderr.splitlines() if "could not be built" in line]
+    assert len(warning) == 1 and "using decode_attention" in warning[0]
