@@ -8,11 +8,11 @@ import sys
 import pytest
 
 from plumbing.checkpoint import BUNDLED, ROOT, load_model
-from conftest import run_script
+from conftest import TINY_CONFIGS, run_script
 from plumbing.text_stream import SampleText
 from kv_cache import CACHED_MODELS
 
-BLOCK_SIZE = 256  # the bundled model's context (checked below)
+BLOCK_SIZE = 256  # the bundled model's context
 
 
 def run_cli(*args, stdin="", script="generate.py", ckpt=True):
@@ -78,16 +78,20 @@ def test_stop_string_truncates_and_is_not_printed():
     assert generate(*args, "--stop", stop).stdout == "ROMEO:" + cut + "\n"
 
 
-def test_ten_times_context_len_tokens():
-    assert load_model(CACHED_MODELS, BUNDLED, report=lambda _: None)[0].config.context_len == BLOCK_SIZE
-    n = 10 * BLOCK_SIZE
-    out = generate_json("--prompt", "", "--max-new-tokens", str(n), "--ignore-eot", "--seed", "1")
+def test_ten_times_context_len_tokens(tiny_ckpt):
+    # a tiny model (context 64): the bundled model's 2,560 tokens took 22-29 s of the suite
+    context = TINY_CONFIGS[0].context_len
+    n = 10 * context
+    proc = run_script("generate.py", "--ckpt", str(tiny_ckpt), "--prompt", "", "--max-new-tokens", str(n),
+                      "--ignore-eot", "--seed", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
     assert out["stats"]["new_tokens"] == [n]
-    # a 1-token prompt fills the context after 255 steps; a reprefill keeps 128 tokens, so
-    # the next one comes 129 steps later (the last of the n tokens needs no forward pass)
-    first = BLOCK_SIZE - 1
-    assert out["stats"]["reprefills"] == (n - 1 - first) // (BLOCK_SIZE // 2 + 1) + 1
-    assert out["stats"]["cache_positions"] <= BLOCK_SIZE
+    # a 1-token prompt fills the context after 63 steps; a reprefill keeps 32 tokens, so the
+    # next one comes 33 steps later (the last of the n tokens needs no forward pass)
+    first = context - 1
+    assert out["stats"]["reprefills"] == (n - 1 - first) // (context // 2 + 1) + 1
+    assert out["stats"]["cache_positions"] <= context
 
 
 def test_streamed_utf8_never_breaks_characters():
