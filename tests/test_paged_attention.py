@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import ROOT
-from serving.paged_attention import decode_attention, hand_written_kernel
+from serving.paged_attention import (decode_attention, hand_written_kernel, kernel_build_directory,
+                                     kernel_name)
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +79,16 @@ def test_without_the_tools_to_build_it_the_step_keeps_the_pytorch_kernel(tmp_pat
     assert proc.stdout.split() == ["True"]
     warning = [line for line in proc.stderr.splitlines() if "could not be built" in line]
     assert len(warning) == 1 and "using decode_attention" in warning[0]
+
+
+def test_a_build_killed_midway_does_not_stop_the_next_load(kernel):
+    # torch's lock file, as a build killed with -9 leaves it: torch alone would wait for it
+    # forever (tried: a server that never starts); the next load goes ahead
+    directory = kernel_build_directory(kernel_name())
+    (directory / "lock").touch()
+    code = ("from serving.paged_attention import decode_attention, hand_written_kernel\n"
+            "print(hand_written_kernel() is not decode_attention)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True"] and not (directory / "lock").exists()
