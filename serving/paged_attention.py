@@ -35,19 +35,15 @@ columns, the softmax taken on the way), near a plain read of the same bytes; a s
 with the weights frozen in (the engine's compile option) runs it (attention_for).
 """
 
-import fcntl
 import functools
-import os
-import subprocess
-import sys
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from generation.compiled_step import BUILD_OPTIONS
 from sample import sample_rows_with_noise
+from serving.kernel_build import build_kernel
 
 KERNEL_SOURCE = Path(__file__).with_name("paged_attention.cpp")
 
@@ -77,20 +73,11 @@ def hand_written_kernel():
     """decode_attention written by hand in C++ (paged_attention.cpp: each column's key and
     value read once for every head, the softmax taken on the way), as
     torch.ops.kvcache_gpt.decode_attention; decode_attention itself where it cannot be
-    built (with a warning). The first call on a machine compiles it (~15-30 s; torch keeps
-    the library in ~/.cache/torch_extensions, so later processes only load it): the same
-    C++ compiler torch.compile needs, driven by ninja."""
-    from torch.utils.cpp_extension import load  # its import alone takes a second
-    name = kernel_name()
-    try:
-        directory = kernel_build_directory(name)
-        with one_build_at_a_time(directory):
-            load(name=name, sources=[str(KERNEL_SOURCE)], build_directory=str(directory),
-                 is_python_module=False, extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                 extra_ldflags=["-fopenmp"])
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # no compiler, or its build failed
-        first_line = str(e).splitlines()[0][:200] if str(e) else type(e).__name__  # a compiler's log is long
-        warnings.warn(f"the hand-written paged attention kernel could not be built ({first_line}); "
+    built (with a warning). The first call on a machine compiles it (kernel_build.py: ~15-30
+    s, kept for later processes)."""
+    error = build_kernel(KERNEL_SOURCE, "kvcache_gpt_paged_attention")
+    if error:
+        warnings.warn(f"the hand-written paged attention kernel could not be built ({error}); "
                       "using decode_attention", stacklevel=2)
         return decode_attention
 
@@ -98,37 +85,6 @@ def hand_written_kernel():
     def _(q, k_pool, v_pool, slots, visible):  # its output's shape, for torch.compile's tracing
         return torch.empty_like(q)
     return torch.ops.kvcache_gpt.decode_attention
-
-
-def kernel_name():
-    """The kernel's library is built for this CPU's instructions (-march=native), so named
-    for them: a cache shared with another kind of machine keeps a build for each."""
-    return f"kvcache_gpt_paged_attention_{torch.backends.cpu.get_cpu_capability().lower()}"
-
-
-def kernel_build_directory(name):
-    """Where the kernel is built and kept: torch's extensions folder ($TORCH_EXTENSIONS_DIR,
-    else ~/.cache/torch_extensions), one build per Python and torch version (the library
-    links against both)."""
-    from torch.utils.cpp_extension import get_default_build_root
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    version = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
-    directory = root / version / name
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
-
-
-@contextmanager
-def one_build_at_a_time(directory):
-    """Hold the build folder while loading. torch's own lock is a file, which a build killed
-    midway (kill -9, the OOM killer, a power cut) leaves behind, and every later load then
-    waits for it forever: a server that never starts. This lock is the operating system's
-    (flock), released when its process dies, so whoever holds it knows no build is running
-    and can delete torch's file."""
-    with open(directory / "kvcache_gpt.lock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # waits while another process builds
-        (directory / "lock").unlink(missing_ok=True)  # torch's, left by a build that died
-        yield
 
 
 def attention_for(kv):

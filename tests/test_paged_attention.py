@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import ROOT
-from serving.paged_attention import (decode_attention, hand_written_kernel, kernel_build_directory,
-                                     kernel_name)
+from serving.kernel_build import build_directory, library_name
+from serving.paged_attention import decode_attention, hand_written_kernel
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_without_the_tools_to_build_it_the_step_keeps_the_pytorch_kernel(tmp_pat
 def test_a_build_killed_midway_does_not_stop_the_next_load(kernel):
     # torch's lock file, as a build killed with -9 leaves it: torch alone would wait for it
     # forever (tried: a server that never starts); the next load goes ahead
-    directory = kernel_build_directory(kernel_name())
+    directory = build_directory(library_name("kvcache_gpt_paged_attention"))
     (directory / "lock").touch()
     code = ("from serving.paged_attention import decode_attention, hand_written_kernel\n"
             "print(hand_written_kernel() is not decode_attention)")
