@@ -12,8 +12,8 @@
 //     score_s = q[b, h] . k[slots[b, s], h / group] / sqrt(hd)
 //     out[b, h] = sum_s exp(score_s - max) * v[slots[b, s], h / group] / sum_s exp(score_s - max)
 //
-// paged_attention.py builds it (torch.utils.cpp_extension) and calls it as
-// torch.ops.kvcache_gpt.decode_attention, with decode_attention's inputs.
+// paged_attention.py has it built on first use (kernel_build.py, torch.utils.cpp_extension)
+// and calls it as torch.ops.kvcache_gpt.decode_attention, with decode_attention's inputs.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -1,6 +1,8 @@
 """The hand-written paged attention kernel (serving/paged_attention.cpp) against the
 PyTorch one it stands in for (decode_attention): the same outputs over a pool read through
-its views, with every head layout the models have, and padding never read.
+its views, with every head layout the models have, and padding never read; and its build
+(serving/kernel_build.py): the PyTorch kernel where it cannot be built, and a build killed
+midway blocking no later load.
 
 Tolerance 1e-5: both compute in float32, the C++ in another order (a running softmax, its
 partial sums scaled as the maximum grows); the outputs are averages of values of order 1,
