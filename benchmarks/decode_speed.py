@@ -149,7 +149,10 @@ def decode_speed(models, n, reps, floors, compile_note=None, llama_cpp_note=None
         with engines as llama:
             tables.append(model_table(label, model, floors[label]["read_GBps"], n, reps, ours,
                                       group_size, llama))
-    return {"prompt_tokens": PROMPT_TOKENS, "threads": torch.get_num_threads(), "reps": reps,
+    # the instruction set torch's kernels run with here (AVX512, AVX2, ...): the quantized
+    # rows hinge on it (the int4 kernel's bf16 arithmetic is native only with AVX-512 BF16)
+    return {"prompt_tokens": PROMPT_TOKENS, "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "reps": reps,
             "group_size": group_size, "compile_note": compile_note,
             "llama_cpp_note": llama_cpp_note, "models": tables}
 

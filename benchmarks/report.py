@@ -75,7 +75,8 @@ def print_floor(f, peak_rss_mb):
 
 def print_decode_speed(d):
     print(f"\n## Decode speed: ours and llama.cpp on identical weights, {d['prompt_tokens']}-token "
-          f"prompt, greedy, {d['threads']} threads, in turns; tok/s of the whole generation")
+          f"prompt, greedy, {d['threads']} threads ({d['cpu_capability']}), in turns; tok/s of the "
+          "whole generation")
     for note in (d["compile_note"], d["llama_cpp_note"]):
         if note:
             print(note)

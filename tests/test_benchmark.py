@@ -91,6 +91,7 @@ def test_decode_speed_table_structure(monkeypatch):
     floors = {"tiny": bandwidth_floor(model, reps=1)}
     r = ds.decode_speed({"tiny": model}, 8, 1, floors, compile_note="compiled row skipped")
     assert r["compile_note"] == "compiled row skipped" and r["llama_cpp_note"] is None
+    assert r["cpu_capability"] == torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2, ...
     (table,) = r["models"]
     assert table["tokens"] == 8 and table["skipped"] == {}
     assert list(table["rows"]) == ["ours fp32 eager", "ours bf16", "ours int8", "ours int4", "llama.cpp f32"]
