@@ -273,6 +273,14 @@ class KVCache(GenerationCache):
         decode step writes it in place from inside its graph)."""
         self.length += n
 
+    def grow(self, max_len):
+        """Hold max_len positions from now on (more than it holds): a new buffer, the
+        columns written copied into it, the new ones zeroed (the compiled decode step
+        reads every column, the unwritten ones masked: no NaN bits may be there)."""
+        grown = self.kv.new_zeros((*self.kv.shape[:4], max_len, self.kv.size(5)))
+        grown[..., :self.length, :] = self.kv[..., :self.length, :]
+        self.kv, self.max_len = grown, max_len
+
     def __len__(self):
         return self.kv.size(0)
 

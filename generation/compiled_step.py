@@ -11,10 +11,12 @@ into generated C++ loops and calls the matmul kernels directly, so the Python is
 But a graph holds fixed shapes. The eager step's shapes change every step (the cache
 holds one more column, the mask and positions slice moves), and a graph keyed on them
 recompiles each time: that is why compiling KVCacheGPT.forward as it is made decoding 7x
-slower. Here every shape is fixed for the whole generation:
-  - the cache is the preallocated KVCache, as many columns as the generation can reach
-    (generation/loop.py's cache_columns), and attention reads all of them, with a mask that
-    hides the columns not written yet (and any left padding);
+slower. Here every shape is fixed for the whole generation but one:
+  - the cache is the preallocated KVCache, and attention reads every column of its
+    buffer, with a mask that hides the columns not written yet (and any left padding);
+    the buffer's column count is the one size that may change: the loop grows the cache
+    64 columns at a time as it fills (generation/loop.py's make_room), and the library
+    takes any count up to the generation's (torch.export's dynamic dimension: one build);
   - the step's position is a tensor, not a Python int: the write index for the new key and
     value (index_put_ at that column) and the row of the position table it looks up (for
     a Llama-family model, the rotary angles it computes).
@@ -22,9 +24,10 @@ A step may also feed a fixed number T > 1 of tokens per row (speculative decodin
 its proposals in one such step: generation/speculative.py): T is part of the shape, so each
 T is a graph of its own; that step hands back logits, for the proposer's verification.
 Reading the whole buffer costs its bytes every step, which is why the loop sizes it to the
-generation instead of the whole context: at GPT-2 small a 1024-column cache is 75 MB, more
+generation instead of the whole context (at GPT-2 small a 1024-column cache is 75 MB, more
 than half of the int8 weights' bytes; sized to 256 columns the int8 step made 89 tokens/s
-instead of 60 (docs/benchmarks.md).
+instead of 60), and grows it as it fills instead of allocating it whole: 1000 tokens of
+GPT-2 small in int8 ran 1.12-1.25x faster, 200 tokens in int4 ~1.07x (docs/benchmarks.md).
 
 Ahead of time, not just in time: torch.compile's result runs Python on every call (guards
 that check the inputs still match the graph, a wrapper around it), a fixed cost per step
@@ -189,7 +192,7 @@ class CompiledStep:
     same shapes and settings."""
 
     def __init__(self, model, kv, tokens_per_step, sampling, vocab_limit, greedy_too=False,
-                 any_columns=False):
+                 max_columns=None):
         batch_size, device = kv.size(2), kv.device
         vocab = vocab_limit or model.config.vocab_size
         # inputs of the graph, allocated once and refilled in place every step
@@ -201,11 +204,11 @@ class CompiledStep:
         program = StepProgram(model, sampling, vocab_limit, greedy_too)
         kv = torch.empty_like(kv)  # the real buffer's shape, for tracing (never written)
         tokens = torch.zeros(batch_size, tokens_per_step, dtype=torch.long, device=device)
-        # any_columns: the cache's column count (kv's dim 4) a variable of the library, up to
-        # kv's; from 2, as torch.export treats sizes 0 and 1 as constants of their own
-        dynamic_columns = (None, {4: torch.export.Dim("columns", min=2, max=kv.size(4))}, None, None, None)
+        # max_columns: the cache's column count (kv's dim 4) a variable of the library, up to
+        # max_columns; from 2, as torch.export treats sizes 0 and 1 as constants of their own
+        dynamic_columns = (None, {4: torch.export.Dim("columns", min=2, max=max_columns)}, None, None, None)
         self.run = build_program(program, (tokens, kv, self.length, self.no_pad, self.noise),
-                                 dynamic_columns if any_columns else None)
+                                 dynamic_columns if max_columns else None)
 
     def decode(self, tokens, cache):
         """Feed tokens (B, T) at the cache's next columns: each row's next token (B,), or
@@ -223,16 +226,17 @@ class CompiledStep:
 
 
 def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None, greedy_too=False,
-                any_columns=False):
+                max_columns=None):
     """The CompiledStep for this cache's shapes, tokens_per_step tokens per row and these
     sampling settings (sample.py's temperature, top_k, top_p and generator; None: the step
     returns logits, and with greedy_too each row's greedy token among the first vocab_limit
     after them), and the seconds building it took, which the loop reports apart from the
     decode speed. The model keeps the last one it built, reused while shapes, settings
     and weights stay the same (only the last: each holds a copy of the weights).
-    cache: a kv_cache.KVCache in the model's dtype; with any_columns the step also takes
-    a cache of fewer columns than this one's (the serving engine's lone step sizes its
-    cache to the request: attention reads every column of the buffer)."""
+    cache: a kv_cache.KVCache in the model's dtype. With max_columns the step takes a cache
+    of any number of columns up to that, not only this one's: attention reads every column
+    of the buffer, so a cache that grows with the sequence (the loop's, the serving
+    engine's lone step's) reads fewer bytes per step while it is short."""
     if getattr(cache, "kv_dtype", None) != dtype_name(model.lm_head.weight.dtype):
         # the step writes raw keys and values of the model's dtype into the buffer
         raise ValueError("the compiled decode step needs the preallocated cache in the "
@@ -246,14 +250,15 @@ def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None
     # the library holds the weights as they were: a weight written in place since (its
     # version counter moved) or replaced (another tensor) means a new build
     weights = tuple((t.data_ptr(), t._version) for t in itertools.chain(model.parameters(), model.buffers()))
-    key = (tuple(cache.kv.shape), cache.kv.dtype, str(cache.kv.device), tokens_per_step,
-           settings and tuple(settings.values()), vocab_limit, greedy_too, any_columns, weights)
+    shape = tuple(cache.kv.shape) if max_columns is None else (*cache.kv.shape[:4], "up to", max_columns)
+    key = (shape, cache.kv.dtype, str(cache.kv.device), tokens_per_step,
+           settings and tuple(settings.values()), vocab_limit, greedy_too, weights)
     t0 = time.perf_counter()
     built = getattr(model, "_compiled_step", None)
     if built is None or built[0] != key:
         model._compiled_step = None  # free the old one's weights before building
         model._compiled_step = key, CompiledStep(model, cache.kv, tokens_per_step, settings,
-                                                 vocab_limit, greedy_too, any_columns)
+                                                 vocab_limit, greedy_too, max_columns)
     step = model._compiled_step[1]
     step.generator = generator
     return step, time.perf_counter() - t0

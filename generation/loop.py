@@ -44,6 +44,7 @@ from sample import check_sampling_args, sample
 CONTEXT_POLICIES = ("reprefill", "sinks")
 DEFAULT_SINKS = 4  # StreamingLLM's: four initial tokens are enough to hold attention's excess
 CACHE_COLUMNS_STEP = 256  # a cache's length is rounded up to this: nearby lengths share a compiled step
+CACHE_GROWTH = 64  # with compile, the cache grows by this many columns at a time (Generation.make_room)
 
 
 @dataclass
@@ -132,7 +133,8 @@ class Generation:
             # compiled, and it returns logits to check them with; otherwise it samples too
             self.compiled, self.stats.compile_seconds = compiled_step.compile_for(
                 self.model, cache, tokens_per_step=self.speculate + 1,
-                sampling=None if self.proposer else self.sampling, vocab_limit=self.vocab_limit)
+                sampling=None if self.proposer else self.sampling, vocab_limit=self.vocab_limit,
+                max_columns=self.columns)
         if self.proposer:  # it proposes among the ids the model samples from
             self.proposer.start(self.row_prompts(), self.sampling,
                                 self.vocab_limit or self.model.config.vocab_size,
@@ -208,7 +210,10 @@ class Generation:
         t0 = time.perf_counter()
         device = self.model.lm_head.weight.device
         tokens, pad = left_pad(self.prompts, self.context_len, device)
-        columns = cache_columns(tokens.size(1) + self.max_new_tokens + self.speculate, self.context_len)
+        self.columns = cache_columns(tokens.size(1) + self.max_new_tokens + self.speculate, self.context_len)
+        # with compile the cache starts short and grows (make_room); eager reads only what
+        # is written, so it gets every column it can need at once
+        columns = self.grown_columns(tokens.size(1) + self.speculate + 1) if self.compile else self.columns
         cache = self.model.new_cache(tokens.size(0), self.cache_kind, pad, max_len=columns)
         logits = self.run_pass(tokens, cache)
         if self.num_samples > 1:  # one prefill, shared: copy its cache and logits to every sample
@@ -223,6 +228,20 @@ class Generation:
         self.stats.prefill_seconds = time.perf_counter() - t0
         return logits, cache, history
 
+    def grown_columns(self, needed):
+        """Columns for a cache that must hold `needed`: a multiple of CACHE_GROWTH, at most
+        what the generation can reach (self.columns)."""
+        return min(-(-needed // CACHE_GROWTH) * CACHE_GROWTH, self.columns)
+
+    def make_room(self, cache, T):
+        """With compile, grow the cache before a step that would not fit. The compiled step
+        attends over every column of its buffer (masked past the ones written), so a cache
+        the size of the whole generation from the start would be read whole at every step;
+        grown CACHE_GROWTH columns at a time, it is read as it fills. The library takes any
+        column count up to the generation's (compile_for's max_columns): one build."""
+        if cache.length + T > cache.max_len:
+            cache.grow(self.grown_columns(cache.length + T))
+
     def decode_one(self, tokens, cache):
         """Logits (R, V) after feeding tokens (R, 1): one position per row."""
         return self.decode(tokens, cache)[:, -1]
@@ -231,6 +250,7 @@ class Generation:
         """Feed each row's newest token (R, 1), sample the next: (tokens (R, 1), counts (R,))."""
         history[:, cache.length] = newest[:, 0]
         if self.compile and not self.proposer:  # the compiled step samples too
+            self.make_room(cache, 1)
             self.stats.count_pass(1)
             tokens = self.compiled.decode(newest, cache)[:, None]
         else:
@@ -243,6 +263,8 @@ class Generation:
         the compiled step when speculating and T is the width it was compiled for (K + 1);
         eager otherwise (plain decoding's compiled step samples: plain_step)."""
         self.stats.count_pass(tokens.size(1))
+        if self.compile:
+            self.make_room(cache, tokens.size(1))
         if self.compile and self.proposer and tokens.size(1) == self.speculate + 1:
             return self.compiled.decode(tokens, cache)
         return self.model(tokens, cache)[0]

@@ -21,7 +21,7 @@ dense cache of one row:
     attention reads every column of its cache (the unwritten ones masked), and on the
     bundled model a step over 160 columns took 1.32 ms against 1.40 over the context's 256
     (docs/serving.md, round 7). One build serves every size: the library takes the
-    column count as a variable (compile_for's any_columns);
+    column count as a variable (compile_for's max_columns);
   - each step: the compiled step writes the new key and value into the dense cache, and
     the same column is copied to the request's slot in the pool (unless the pool holds it
     already: a prompt found whole in the prefix cache), so the pool always holds
@@ -55,8 +55,8 @@ class LoneStep:
         weight = model.lm_head.weight
         self.config, self.device, self.dtype = model.config, weight.device, weight.dtype
         self.cache = KVCache(model.config, 1, weight.device, weight.dtype)  # the largest, to build
-        self.step, self.build_seconds = compile_for(model, self.cache, vocab_limit=vocab_limit,
-                                                    greedy_too=True, any_columns=True)
+        self.step, self.build_seconds = compile_for(model, self.cache, vocab_limit=vocab_limit, greedy_too=True,
+                                                    max_columns=model.config.context_len)
         self.pool = pool
         self.token = torch.zeros(1, 1, dtype=torch.long, device=weight.device)
         self.holds = None  # (request, its start) whose first cache.length columns the cache holds

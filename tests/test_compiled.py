@@ -57,6 +57,27 @@ def test_the_cache_holds_what_the_generation_reaches(builds, monkeypatch):
     assert len(builds) == 3  # 8 columns (n = 4 and 5), 16 and 32
 
 
+def test_the_cache_grows_as_it_fills(builds, monkeypatch):
+    """With compile the cache starts short and grows CACHE_GROWTH columns at a time, up to
+    what the generation reaches (the compiled step reads every column of its buffer: a
+    short one is a faster step), one build taking them all; the tokens are the eager
+    loop's, with left padding and through reprefills past the context."""
+    monkeypatch.setattr(loop, "CACHE_GROWTH", 4)
+    sizes, grow = [], KVCache.grow
+
+    def noted(self, max_len):
+        sizes.append(max_len)
+        grow(self, max_len)
+    monkeypatch.setattr(KVCache, "grow", noted)
+    model = tiny_model(CONFIG, seed=27)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]  # padded to 5 columns: the cache starts with 8
+    n = 2 * CONFIG.context_len
+    stats = GenerationStats()
+    assert torch.equal(greedy(model, prompts, n, compile=True, stats=stats), greedy(model, prompts, n))
+    assert sizes == list(range(12, CONFIG.context_len + 1, 4)) and len(builds) == 1
+    assert stats.reprefills > 0 and stats.cache_bytes == cache_bytes(CONFIG, CONFIG.context_len, 2)
+
+
 def test_weights_changed_in_place_are_a_new_build(builds):
     """The library holds its own copy of the weights: the step built before a change must
     not run after it."""
@@ -146,7 +167,7 @@ def test_the_lone_steps_build_gives_logits_and_greedy_picks_at_any_column_count(
     library, the step's logits and each row's argmax among the first vocab_limit tokens
     only, as the engine samples (an embedding table's padding rows past the tokenizer's
     tokens are never picked; the limit is set at the first row's favourite token, so a
-    pick over the whole vocabulary would differ); and, built with any_columns for the
+    pick over the whole vocabulary would differ); and, built with max_columns for the
     context's 16 columns, it runs on a cache of 8 (the column count a variable of the
     library)."""
     config = GPTConfig(context_len=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16)
@@ -157,7 +178,7 @@ def test_the_lone_steps_build_gives_logits_and_greedy_picks_at_any_column_count(
     limit = int(eager[0].argmax())
     assert limit > 0  # this seed's favourite is not token 0: a limit there leaves tokens to pick
     step, _ = compiled_step.compile_for(model, KVCache(config, 2, "cpu", torch.float32),
-                                        vocab_limit=limit, greedy_too=True, any_columns=True)
+                                        vocab_limit=limit, greedy_too=True, max_columns=16)
     for columns in (16, 8):
         cache = KVCache(config, 2, "cpu", torch.float32, max_len=columns)
         cache.kv.zero_()  # unwritten columns are read (masked): no NaN in them

@@ -25,7 +25,7 @@ import torch
 
 from base_model import GPTConfig
 from conftest import byte_tokenizer, random_prompts, run_script, tiny_model
-from generation import speculative
+from generation import loop, speculative
 from generation.loop import Generation, GenerationStats, generate_tokens, left_pad
 from generation.speculative import DraftModel, PromptLookup
 from plumbing.checkpoint import BUNDLED
@@ -87,10 +87,12 @@ def test_num_samples_and_rows_that_finish_mid_step(model):
 
 
 @pytest.mark.parametrize("name, graphs", [("lookup", 1), ("draft", 2)])
-def test_compiled_verification_is_built_once_and_the_same_tokens(builds, name, graphs):
+def test_compiled_verification_is_built_once_and_the_same_tokens(builds, name, graphs, monkeypatch):
     """With compile, every verification feeds K + 1 columns (filler where a row has fewer
-    proposals) through one graph, rollback moving the rows of its buffer; the draft decodes
-    through a graph of its own; near the end of the context the step is eager."""
+    proposals) through one graph, rollback moving the rows of its buffer, the buffer grown
+    8 columns at a time in between; the draft decodes through a graph of its own; near the
+    end of the context the step is eager."""
+    monkeypatch.setattr(loop, "CACHE_GROWTH", 8)
     model = tiny_model(CONFIG, seed=31)  # its own: the module's model may hold a build already
     prompts = random_prompts([3, 20]) + [[1, 2, 3] * 4]
     plain = generate_tokens(model, prompts, 150, temperature=0)
