@@ -250,7 +250,10 @@ def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None
     # the library holds the weights as they were: a weight written in place since (its
     # version counter moved) or replaced (another tensor) means a new build
     weights = tuple((t.data_ptr(), t._version) for t in itertools.chain(model.parameters(), model.buffers()))
-    shape = tuple(cache.kv.shape) if max_columns is None else (*cache.kv.shape[:4], "up to", max_columns)
+    # with max_columns the column count is a variable of the library, which takes any up to it
+    shape = tuple(cache.kv.shape)
+    if max_columns is not None:
+        shape = (*shape[:4], f"up to {max_columns}", shape[5])
     key = (shape, cache.kv.dtype, str(cache.kv.device), tokens_per_step,
            settings and tuple(settings.values()), vocab_limit, greedy_too, weights)
     t0 = time.perf_counter()

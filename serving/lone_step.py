@@ -16,12 +16,13 @@ dense cache of one row:
 
   - entering: the request's cached columns are gathered from the pool into the dense cache
     (one copy), unless the dense cache already holds them (the previous step was this
-    request's too). The dense cache is sized to the request, a multiple of GROWTH columns,
-    and gathered again into a larger one when the request outgrows it: the step's
-    attention reads every column of its cache (the unwritten ones masked), and on the
-    bundled model a step over 160 columns took 1.32 ms against 1.40 over the context's 256
-    (docs/serving.md, round 7). One build serves every size: the library takes the
-    column count as a variable (compile_for's max_columns);
+    request's too). The dense cache is sized to the request, a multiple of CACHE_GROWTH
+    columns (generation/loop.py's, whose compiled cache grows the same way), and gathered
+    again into a larger one when the request outgrows it: the step's attention reads
+    every column of its cache (the unwritten ones masked), and on the bundled model a step
+    over 160 columns took 1.32 ms against 1.40 over the context's 256 (docs/serving.md,
+    round 7). One build serves every size: the library takes the column count as a
+    variable (compile_for's max_columns);
   - each step: the compiled step writes the new key and value into the dense cache, and
     the same column is copied to the request's slot in the pool (unless the pool holds it
     already: a prompt found whole in the prefix cache), so the pool always holds
@@ -39,10 +40,9 @@ import math
 import torch
 
 from generation.compiled_step import compile_for
+from generation.loop import CACHE_GROWTH
 from kv_cache import KVCache
 from serving.decode_index import slot_of
-
-GROWTH = 64  # the dense cache's columns, a multiple of this: a new gather every GROWTH tokens
 
 
 class LoneStep:
@@ -55,8 +55,8 @@ class LoneStep:
         weight = model.lm_head.weight
         self.config, self.device, self.dtype = model.config, weight.device, weight.dtype
         self.cache = KVCache(model.config, 1, weight.device, weight.dtype)  # the largest, to build
-        self.step, self.build_seconds = compile_for(model, self.cache, vocab_limit=vocab_limit, greedy_too=True,
-                                                    max_columns=model.config.context_len)
+        self.step, self.build_seconds = compile_for(model, self.cache, vocab_limit=vocab_limit,
+                                                    greedy_too=True, max_columns=model.config.context_len)
         self.pool = pool
         self.token = torch.zeros(1, 1, dtype=torch.long, device=weight.device)
         self.holds = None  # (request, its start) whose first cache.length columns the cache holds
@@ -79,8 +79,8 @@ class LoneStep:
 
     def load(self, request, length):
         """Copy the request's first `length` context columns from the pool, into a cache
-        with room for the next column (GROWTH columns at a time, at most the context)."""
-        columns = min(math.ceil((length + 1) / GROWTH) * GROWTH, self.config.context_len)
+        with room for the next column (CACHE_GROWTH columns at a time, at most the context)."""
+        columns = min(math.ceil((length + 1) / CACHE_GROWTH) * CACHE_GROWTH, self.config.context_len)
         if self.cache.max_len != columns:
             self.cache = KVCache(self.config, 1, self.device, self.dtype, max_len=columns)
         # the columns past the request's are read (masked): a NaN left in the buffer would

@@ -77,7 +77,7 @@ def test_a_lone_request_decodes_through_the_compiled_step(model, builds):
 
 
 def test_the_lone_steps_cache_grows_with_the_request(builds):
-    # the dense cache is sized to the request (GROWTH columns at a time) and gathered again
+    # the dense cache is sized to the request (CACHE_GROWTH columns at a time) and gathered again
     # from the pool into a larger one when outgrown: 64, 128, then the context's 160. The
     # same tokens as the prompt alone, and log-probabilities within 1e-5 of the engine
     # without the lone step (the graph's arithmetic in another order, ~1e-6 apart): a
