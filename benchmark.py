@@ -41,7 +41,6 @@ from kv_cache import CACHED_MODELS  # noqa: E402
 from plumbing.checkpoint import ROOT  # noqa: E402
 from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int, positive_int_list  # noqa: E402
 from plumbing.outputs import check_output_path, import_pyplot, json_text, write_atomically  # noqa: E402
-from weight_quant import INT4_GROUP_SIZE  # noqa: E402
 
 NO_PEER = "skipped (--no-peer)"
 
@@ -162,7 +161,7 @@ def decode_speed_section(args, model, shape_model, floor, device):
     floors = {"checkpoint": bandwidth_floor(checkpoint, args.reps), f"{args.shape} shape": floor}
     return decode_speed(models, args.demo_tokens, args.reps, floors, compile_note, llama_note,
                         quantize=not args.no_quantization,
-                        group_size=args.group_size or INT4_GROUP_SIZE)
+                        group_size=args.group_size)
 
 
 def main():

@@ -35,7 +35,7 @@ from benchmarks.peers import (LLAMA_OUTTYPES, PROMPT_TOKENS, leading_matches, ll
 from benchmarks.timing import alternate, spread, timed  # noqa: E402
 from benchmarks.weight_formats import weight_bytes_per_token  # noqa: E402
 from generation.loop import GenerationStats, synchronize  # noqa: E402
-from weight_quant import INT4_GROUP_SIZE, quantize_model  # noqa: E402
+from weight_quant import INT4_GROUP_SIZES, int4_group_size, quantize_model  # noqa: E402
 
 OURS = {  # name: (the model's dtype, weight-only quantization, compiled decode step)
     "ours fp32 eager": (torch.float32, None, False),
@@ -129,11 +129,12 @@ def model_table(label, fp32_model, read_GBps, n, reps, ours, group_size, llama_e
     pairs = {f"{ours} / {theirs}": rows[ours]["tok_s"]["median"] / rows[theirs]["tok_s"]["median"]
              for ours, theirs in PAIRS if ours in rows and theirs in rows}
     return {"model": label, "params_m": fp32_model.num_params() / 1e6, "tokens": n,
-            "read_GBps": read_GBps, "rows": rows, "skipped": skipped, "pairs": pairs}
+            "int4_group_size": group_size or int4_group_size(fp32_model), "read_GBps": read_GBps,
+            "rows": rows, "skipped": skipped, "pairs": pairs}
 
 
 def decode_speed(models, n, reps, floors, compile_note=None, llama_cpp_note=None,
-                 quantize=True, group_size=INT4_GROUP_SIZE, contestants=None,
+                 quantize=True, group_size=None, contestants=None,
                  llama_outtypes=LLAMA_OUTTYPES):
     """The table for each of {label: fp32 model}; floors: {label: bandwidth_floor(model)},
     measured in this run. compile_note / llama_cpp_note: why the compiled row / llama.cpp's
@@ -153,7 +154,7 @@ def decode_speed(models, n, reps, floors, compile_note=None, llama_cpp_note=None
     # rows hinge on it (the int4 kernel's bf16 arithmetic is native only with AVX-512 BF16)
     return {"prompt_tokens": PROMPT_TOKENS, "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "reps": reps,
-            "group_size": group_size, "compile_note": compile_note,
+            "compile_note": compile_note,
             "llama_cpp_note": llama_cpp_note, "models": tables}
 
 
@@ -173,6 +174,8 @@ def main():
                    help="the random model's shape (default: gpt2, GPT-2 small; tiny: a quick check)")
     p.add_argument("--tokens", type=positive_int, default=200, help="new tokens per run (default: 200)")
     p.add_argument("--reps", type=positive_int, default=3, help="timed runs after a warm-up (default: 3)")
+    p.add_argument("--group-size", type=int, choices=INT4_GROUP_SIZES,
+                   help="the int4 rows' group size (default: weight_quant's for each model)")
     p.add_argument("--no-compile", action="store_true",
                    help="leave out the compiled rows (each builds C++ for up to minutes)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -182,7 +185,7 @@ def main():
     bundled = load_model(CACHED_MODELS, BUNDLED, report=lambda line: None)[0]
     models = {"bundled": bundled, f"{args.shape} shape": random_model(args.shape, "cpu")}
     floors = {label: bandwidth_floor(model, args.reps) for label, model in models.items()}
-    result = decode_speed(models, args.tokens, args.reps, floors,
+    result = decode_speed(models, args.tokens, args.reps, floors, group_size=args.group_size,
                           compile_note="compiled rows left out (--no-compile)" if args.no_compile else None,
                           llama_cpp_note=llama_cpp_missing())
     publish_result(result, "benchmarks.decode_speed", print_decode_speed, args.json)

@@ -81,8 +81,9 @@ def print_decode_speed(d):
         if note:
             print(note)
     for t in d["models"]:
-        print(f"{t['model']}: {t['params_m']:.2f}M parameters, {t['tokens']} new tokens, floor = bytes "
-              f"read per token / {t['read_GBps']:.1f} GB/s (plain read of its fp32 weights)")
+        print(f"{t['model']}: {t['params_m']:.2f}M parameters, {t['tokens']} new tokens, int4 in groups "
+              f"of {t['int4_group_size']}, floor = bytes read per token / {t['read_GBps']:.1f} GB/s "
+              "(plain read of its fp32 weights)")
         for name, why in t["skipped"].items():
             print(f"{t['model']}, {name}: skipped: {why}")
     baseline = any("vs_llama_cpp_f32" in row for t in d["models"] for row in t["rows"].values())

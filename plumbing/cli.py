@@ -70,7 +70,8 @@ def add_model_args(parser):
                         help="weight-only quantization of every Linear after loading: int8 per "
                         "channel, or int4 per group of --group-size inputs (default: none; see weight_quant.py)")
     parser.add_argument("--group-size", type=int, choices=INT4_GROUP_SIZES, help="input channels "
-                        f"sharing a scale with --quantize int4 (default: {INT4_GROUP_SIZE})")
+                        f"sharing a scale with --quantize int4 (default: {INT4_GROUP_SIZE}, or 32 for a model "
+                        "whose widths 64 does not divide)")
 
 
 def pick_device(name):
@@ -133,9 +134,11 @@ def quantize_from_args(model, args):
     """Apply --quantize (and --group-size) to a model already on its device and dtype."""
     if args.quantize != "none":
         try:
-            quantize_model(model, args.quantize, args.group_size or INT4_GROUP_SIZE)
+            quantize_model(model, args.quantize, args.group_size)
         except ValueError as e:
-            raise UserError(f"--quantize {args.quantize}: {e}; try --quantize int8") from None
+            smaller = args.group_size and args.group_size > INT4_GROUP_SIZES[0]
+            hint = f"--group-size {INT4_GROUP_SIZES[0]} or --quantize int8" if smaller else "--quantize int8"
+            raise UserError(f"--quantize {args.quantize}: {e}; try {hint}") from None
     return model
 
 

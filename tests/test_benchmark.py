@@ -94,6 +94,7 @@ def test_decode_speed_table_structure(monkeypatch):
     assert r["cpu_capability"] == torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2, ...
     (table,) = r["models"]
     assert table["tokens"] == 8 and table["skipped"] == {}
+    assert table["int4_group_size"] == 32  # 32 wide: int4's default 64 does not divide it
     assert list(table["rows"]) == ["ours fp32 eager", "ours bf16", "ours int8", "ours int4", "llama.cpp f32"]
     for name, row in table["rows"].items():
         assert row["tok_s"]["min"] <= row["tok_s"]["median"] <= row["tok_s"]["max"]
@@ -117,10 +118,12 @@ def test_the_decode_speed_table_alone(tmp_path):
     table (llama.cpp's rows when llama-cpp-python is installed)."""
     out = tmp_path / "speed.json"
     proc = run_script("benchmarks/decode_speed.py", "--shape", "tiny", "--tokens", "4", "--reps", "1",
-                      "--no-compile", "--json", out)
+                      "--no-compile", "--group-size", "128", "--json", out)
     assert proc.returncode == 0, proc.stderr
     r = json.loads(out.read_text())
     assert [t["model"] for t in r["models"]] == ["bundled", "tiny shape"]
+    assert [t["int4_group_size"] for t in r["models"]] == [128, 128]
+    assert "int4 in groups of 128" in proc.stdout
     assert r["command"].startswith("python -m benchmarks.decode_speed --shape tiny")
     assert "ours fp32 compiled" not in r["models"][0]["rows"] and "--no-compile" in r["compile_note"]
     assert "## Decode speed" in proc.stdout

@@ -30,7 +30,7 @@ from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
 from generate import score
 from kv_cache import CACHED_MODELS
 from weight_quant import (Int4Linear, Int8Linear, QuantizedLinear, dequantize_int4, dequantize_int8,
-                      quantize_int4, quantize_int8, quantize_model)
+                      int4_group_size, quantize_int4, quantize_int8, quantize_model)
 from test_generate_cli import generate, run_cli
 
 BF16_BOUND = 2.0 ** -7  # see the module docstring
@@ -164,8 +164,10 @@ def test_half_precision_models_keep_their_dtype(dtype):
 
 
 def test_int4_refuses_widths_the_groups_do_not_divide():
-    with pytest.raises(ValueError, match="multiple of the group size 32"):
+    with pytest.raises(ValueError, match="multiple of the group size 64"):
         Int4Linear(linear(16, 48))
+    with pytest.raises(ValueError, match="multiple of the group size 32"):  # the smallest there is
+        quantize_model(tiny_model(TINY_CONFIGS[1]), "int4")  # 48 wide
     with pytest.raises(ValueError, match="group size must be one of"):
         Int4Linear(linear(16, 64), group_size=16)
 
@@ -174,8 +176,15 @@ def test_quantized_weights_read_fewer_bytes():
     lin = linear(768, 768)
     fp32 = lin.weight.nbytes
     assert Int8Linear(lin).weight_nbytes() == fp32 // 4 + 768 * 2  # int8 + a bf16 scale per row
-    # int4: half a byte per weight, plus a bf16 scale and zero per group of 32
-    assert Int4Linear(lin).weight_nbytes() == fp32 // 8 + 768 * (768 // 32) * 2 * 2
+    # int4: half a byte per weight, plus a bf16 scale and zero per group of 64: 0.5625 bytes
+    # per weight, llama.cpp's q4_0's
+    assert Int4Linear(lin).weight_nbytes() == fp32 // 8 + 768 * (768 // 64) * 2 * 2 == 768 * 768 * 0.5625
+
+
+@pytest.mark.parametrize("n_embd,group", [(128, 64), (96, 32), (32, 32), (48, 32)])
+def test_int4_groups_of_64_where_they_divide_every_width_else_32(n_embd, group):
+    config = dataclasses.replace(TINY_CONFIGS[0], n_embd=n_embd, n_head=1)
+    assert int4_group_size(tiny_model(config)) == group
 
 
 # ---------------------------------------------------------------------------- the model
@@ -292,8 +301,11 @@ def test_flag_errors_are_one_line(tmp_path):
     path = tmp_path / "narrow.pt"  # n_embd 48: int4's groups of 32 do not divide it
     save_checkpoint(path, tiny_model(TINY_CONFIGS[1]), byte_tokenizer_spec())
     proc = run_cli("--ckpt", str(path), "--quantize", "int4", "--prompt", "a", ckpt=False)
-    assert proc.returncode == 2 and "--quantize int4" in proc.stderr
+    assert proc.returncode == 2 and "--quantize int4" in proc.stderr and "try --quantize int8" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 2  # the "loaded" line, then the error
+    # a group given that is larger than the smallest: the smallest is suggested too
+    proc = run_cli("--ckpt", str(path), "--quantize", "int4", "--group-size", "64", "--prompt", "a", ckpt=False)
+    assert proc.returncode == 2 and "try --group-size 32 or --quantize int8" in proc.stderr
     for bad in (("--quantize", "int3"), ("--quantize", "int8", "--group-size", "64")):
         proc = run_cli(*bad)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, bad
