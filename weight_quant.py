@@ -235,7 +235,7 @@ class Int4Linear(QuantizedLinear):
 def int4_group_size(model):
     """The default group for a model: INT4_GROUP_SIZE, or a smaller group the kernel takes
     where that one does not divide every Linear's input width (a small model, 32 or 96
-    wide). Where none divides them, the smallest, whose refusal says why."""
+    wide). Where none divides them, the smallest: Int4Linear's refusal then names it."""
     widths = {m.in_features for m in model.modules() if isinstance(m, nn.Linear)}
     fitting = [g for g in INT4_GROUP_SIZES if g <= INT4_GROUP_SIZE and all(w % g == 0 for w in widths)]
     return max(fitting, default=INT4_GROUP_SIZES[0])
@@ -249,7 +249,8 @@ def quantize_model(model, scheme, group_size=None, use_cpu_kernel=None):
     Raises ValueError (a one-line message) where the scheme cannot apply."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}: choose one of {', '.join(SCHEMES)}")
-    group_size = group_size or int4_group_size(model)
+    if scheme == "int4" and group_size is None:
+        group_size = int4_group_size(model)
 
     def quantized(linear):
         if scheme == "int8":
