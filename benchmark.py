@@ -107,7 +107,7 @@ def parse_args():
     p.add_argument("--no-compile", action="store_true", help=f"leave out {compile_help} "
                    "(it is in by default, without --quick)")
     p.add_argument("--llama-speed", action="store_true", help="add the Llama-3.2-1B-shaped model's "
-                   "decode speed beside llama.cpp f32, q8_0 and q4_0 (~15 minutes, ~16 GB; "
+                   "decode speed beside llama.cpp f32, q8_0 and q4_0 (4-15 minutes, up to 22.5 GB; "
                    "python -m benchmarks.llama_speed runs it alone)")
     p.add_argument("--context-policies", action="store_true", help="add both context policies "
                    "(reprefill, sinks) on the held-out text, 4x the checkpoint's context "

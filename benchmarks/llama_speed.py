@@ -2,7 +2,7 @@
 Decode speed of a Llama-3.2-1B-shaped model beside llama.cpp on identical weights: ours in
 fp32 against llama.cpp f32, ours with --quantize int8 against q8_0 and int4 against q4_0.
 
-    python -m benchmarks.llama_speed              # ~15 minutes on 2 cores; ~16 GB of memory
+    python -m benchmarks.llama_speed              # 4-15 minutes on 2 cores; up to 22.5 GB of memory
     python -m benchmarks.llama_speed --shape tiny # the same table on a tiny shape (seconds)
     python benchmark.py --llama-speed             # the same table as a section of the whole run
 
@@ -54,8 +54,10 @@ LLAMA_OUTTYPES = ("f32", "q8_0", "q4_0")
 
 
 def random_llama(config, device="cpu", seed=0):
-    """A KVCacheLlama of random weights (llama.Llama's initialisation), in the layout every
-    command decodes with."""
+    """A KVCacheLlama of random weights (llama.Llama's initialisation), its Linear weights
+    column-major as every command keeps them, but not packed for oneDNN as the commands
+    also do (generation/cpu_layout.py): that second copy, 4.9 GB at this shape, would not
+    fit in 24 GB beside the other contestants (the run peaks at 22.5 GB without it)."""
     torch.manual_seed(seed)
     return store_linears_column_major(KVCacheLlama(config).to(device).eval())
 
