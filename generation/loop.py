@@ -210,10 +210,12 @@ class Generation:
         t0 = time.perf_counter()
         device = self.model.lm_head.weight.device
         tokens, pad = left_pad(self.prompts, self.context_len, device)
-        self.columns = cache_columns(tokens.size(1) + self.max_new_tokens + self.speculate, self.context_len)
+        self.columns = cache_columns(tokens.size(1) + self.max_new_tokens + self.speculate,
+                                     self.context_len, CACHE_COLUMNS_STEP)
         # with compile the cache starts short and grows (make_room); eager reads only what
         # is written, so it gets every column it can need at once
-        columns = self.grown_columns(tokens.size(1) + self.speculate + 1) if self.compile else self.columns
+        columns = (cache_columns(tokens.size(1) + self.speculate + 1, self.columns, CACHE_GROWTH)
+                   if self.compile else self.columns)
         cache = self.model.new_cache(tokens.size(0), self.cache_kind, pad, max_len=columns)
         logits = self.run_pass(tokens, cache)
         if self.num_samples > 1:  # one prefill, shared: copy its cache and logits to every sample
@@ -228,11 +230,6 @@ class Generation:
         self.stats.prefill_seconds = time.perf_counter() - t0
         return logits, cache, history
 
-    def grown_columns(self, needed):
-        """Columns for a cache that must hold `needed`: a multiple of CACHE_GROWTH, at most
-        what the generation can reach (self.columns)."""
-        return min(-(-needed // CACHE_GROWTH) * CACHE_GROWTH, self.columns)
-
     def make_room(self, cache, T):
         """With compile, grow the cache before a step that would not fit. The compiled step
         attends over every column of its buffer (masked past the ones written), so a cache
@@ -240,7 +237,7 @@ class Generation:
         grown CACHE_GROWTH columns at a time, it is read as it fills. The library takes any
         column count up to the generation's (compile_for's max_columns): one build."""
         if cache.length + T > cache.max_len:
-            cache.grow(self.grown_columns(cache.length + T))
+            cache.grow(cache_columns(cache.length + T, self.columns, CACHE_GROWTH))
 
     def decode_one(self, tokens, cache):
         """Logits (R, V) after feeding tokens (R, 1): one position per row."""
@@ -412,15 +409,16 @@ def generate_tokens(model, prompts, max_new_tokens, **options):
     return out
 
 
-def cache_columns(needed, context_len):
-    """Positions a generation's cache holds: the `needed` ones it can reach (its prompt, its
-    new tokens and a speculative step's proposals past the last), rounded up to a multiple
-    of CACHE_COLUMNS_STEP, at most the context (a longer generation moves within a full
-    cache: the context policies). Why not always the whole context: the compiled step
-    attends over every column of the buffer, the unwritten ones masked, and at GPT-2 small
-    a 1024-column cache is 75 MB read per token, more than half the bytes of its int8
-    weights (docs/benchmarks.md)."""
-    return min(context_len, -(-needed // CACHE_COLUMNS_STEP) * CACHE_COLUMNS_STEP)
+def cache_columns(needed, limit, step):
+    """Positions a cache holds when it must hold `needed`: rounded up to a multiple of
+    step, at most limit. A generation's whole cache: what it can reach (its prompt, its new
+    tokens and a speculative step's proposals past the last) in steps of CACHE_COLUMNS_STEP,
+    at most the context (a longer generation moves within a full cache: the context
+    policies); a compiled cache as it grows: steps of CACHE_GROWTH, at most that. Why not
+    always the whole context: the compiled step attends over every column of the buffer,
+    the unwritten ones masked, and at GPT-2 small a 1024-column cache is 75 MB read per
+    token, more than half the bytes of its int8 weights (docs/benchmarks.md)."""
+    return min(limit, -(-needed // step) * step)
 
 
 def left_pad(prompts, context_len, device):

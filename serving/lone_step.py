@@ -35,12 +35,10 @@ dense cache of one row:
     request, so one build serves every request.
 """
 
-import math
-
 import torch
 
 from generation.compiled_step import compile_for
-from generation.loop import CACHE_GROWTH
+from generation.loop import CACHE_GROWTH, cache_columns
 from kv_cache import KVCache
 from serving.decode_index import slot_of
 
@@ -80,7 +78,7 @@ class LoneStep:
     def load(self, request, length):
         """Copy the request's first `length` context columns from the pool, into a cache
         with room for the next column (CACHE_GROWTH columns at a time, at most the context)."""
-        columns = min(math.ceil((length + 1) / CACHE_GROWTH) * CACHE_GROWTH, self.config.context_len)
+        columns = cache_columns(length + 1, self.config.context_len, CACHE_GROWTH)
         if self.cache.max_len != columns:
             self.cache = KVCache(self.config, 1, self.device, self.dtype, max_len=columns)
         # the columns past the request's are read (masked): a NaN left in the buffer would
