@@ -137,11 +137,13 @@ class FloatFormat:
         """Buffer elements per head and token."""
         return head_dim
 
+    # the checks spare the default cache (storage in the model's dtype) an operation per
+    # call: .to() would return its input, but only after a trip through torch's dispatcher
     def encode(self, x):
-        return x.to(self.storage_dtype)
+        return x if x.dtype == self.storage_dtype else x.to(self.storage_dtype)
 
     def decode(self, stored):
-        return stored.to(self.dtype)
+        return stored if stored.dtype == self.dtype else stored.to(self.dtype)
 
 
 class QuantizedFormat:

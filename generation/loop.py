@@ -100,6 +100,8 @@ class Generation:
                  compile=False, stats=None, context_policy="reprefill", sinks=DEFAULT_SINKS,
                  speculate=0, proposer=None):
         check_sampling_args(temperature, top_k, top_p)
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         check_context_policy(model, context_policy, sinks, cache_kind)
         if bool(speculate) != (proposer is not None):
             raise ValueError("speculative decoding needs both speculate=K (K >= 1) and a proposer")
@@ -128,6 +130,8 @@ class Generation:
     def __iter__(self):
         """Yield (rows, tokens) once per position until max_new_tokens or every row has
         finished: rows, the row numbers given a token; tokens (len(rows),), their tokens."""
+        if not self.max_new_tokens:
+            return
         logits, cache, history = self.prefill()
         if self.compile:  # with speculation, the step that checks K proposals is the one
             # compiled, and it returns logits to check them with; otherwise it samples too
@@ -398,14 +402,20 @@ def generate_tokens(model, prompts, max_new_tokens, **options):
     """The new tokens of every row, (R, max_new_tokens): Generation run to the end, no row
     finishing early (end of text is a token like any other here). options: Generation's."""
     generation = Generation(model, prompts, max_new_tokens, **options)
-    out = given = None
-    for rows, tokens in generation:  # with speculation, rows move at their own pace
-        if out is None:
-            out = tokens.new_empty(generation.num_rows, max_new_tokens)
-            given = torch.zeros(generation.num_rows, dtype=torch.long, device=tokens.device)
-        rows = torch.tensor(rows, device=tokens.device)
-        out[rows, given[rows]] = tokens
-        given[rows] += 1
+    steps = list(generation)  # (rows, tokens) pairs: with speculation, rows move at their own pace
+    # where each token goes, counted in Python and written once at the end: a step then
+    # costs this function no tensor operation (a batch-1 step of a small model is short)
+    given = [0] * generation.num_rows
+    rows, columns = [], []
+    for step_rows, _ in steps:
+        for row in step_rows:
+            rows.append(row)
+            columns.append(given[row])
+            given[row] += 1
+    device = model.lm_head.weight.device
+    out = torch.empty(generation.num_rows, max_new_tokens, dtype=torch.long, device=device)
+    if steps:
+        out[rows, columns] = torch.cat([tokens for _, tokens in steps])
     return out
 
 

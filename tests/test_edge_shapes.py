@@ -1,6 +1,7 @@
-"""Degenerate but valid shapes: a context of 1 to 3 positions. Scoring terminates and is
-right; generation goes on past the context. (A context of 0 positions, which made --score
-loop forever, is refused at load: test_validation.py.)"""
+"""Degenerate but valid shapes: a context of 1 to 3 positions, zero new tokens. Scoring
+terminates and is right; generation goes on past the context; zero new tokens are the
+prompt. (A context of 0 positions, which made --score loop forever, is refused at load:
+test_validation.py.)"""
 
 import math
 
@@ -53,3 +54,15 @@ def test_generation_past_a_tiny_context(context_len):
     if context_len == 1:
         naive = list(tiny(1, cls=GPT).stream(prompt, 12, temperature=0))
         assert tokens.tolist() == torch.cat(naive, dim=1).tolist()
+
+
+def test_zero_new_tokens_returns_the_prompts():
+    """generate(idx, 0) is idx, as the naive model's is, for a batch of two, without a
+    forward pass; a negative count is refused in one line."""
+    model, stats = tiny(8), GenerationStats()
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    assert torch.equal(model.generate(prompt, 0, temperature=0, stats=stats), prompt)
+    assert torch.equal(tiny(8, cls=GPT).generate(prompt, 0, temperature=0), prompt)
+    assert stats.forward_passes == 0
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0, got -1"):
+        generate_tokens(model, prompt, -1)
