@@ -19,8 +19,10 @@ from pathlib import Path
 
 import tiktoken
 import torch
+# the hook torch documents for seeing every operation ("Extending PyTorch": TorchDispatchMode)
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.timing import repeat, spread
+from benchmarks.timing import alternate, spread
 from generation.loop import synchronize
 from plumbing.outputs import signals_raise, write_failure
 from plumbing.script import UserError
@@ -54,39 +56,74 @@ def transformers_twin(ours, device):
 
 
 def transformers_peer(shape, ours, device, n, reps):
-    """Hugging Face transformers' GPT2LMHeadModel.generate() on identical weights; None
-    when transformers is not installed."""
+    """Hugging Face transformers' GPT2LMHeadModel.generate() on identical weights, taking
+    turns with ours (and with its static cache where this version runs it), and the torch
+    operations each side runs a token; None when transformers is not installed."""
     theirs = transformers_twin(ours, device)
     if theirs is None:
         return None
     prompt = random_prompt(ours.config.vocab_size, device)
 
-    def hf_generate(**kw):
+    def ours_generate(tokens=n):
+        return ours.generate(prompt, tokens, temperature=0)
+
+    def hf_generate(tokens=n, **kw):
         with torch.inference_mode():
             return theirs.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                   max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **kw)
+                                   max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0, **kw)
 
-    def rate(fn):
-        def once():
-            synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            synchronize(device)
-            return n / (time.perf_counter() - t0)
-        return spread(repeat(once, reps))
-
-    ours_tokens = ours.generate(prompt, n, temperature=0)
-    result = {"shape": shape, "tokens": n,
-              "ours_tok_s": rate(lambda: ours.generate(prompt, n, temperature=0)),
-              "hf_tok_s": rate(hf_generate),
-              "greedy_tokens_match": torch.equal(ours_tokens, hf_generate())}
+    ours_tokens = ours_generate()
+    result = {"shape": shape, "tokens": n, "greedy_tokens_match": torch.equal(ours_tokens, hf_generate())}
+    contestants = {"ours": ours_generate, "hf": hf_generate}
     try:  # the static cache is newer, and not every version runs it on every device
-        result["hf_static_tok_s"] = rate(lambda: hf_generate(cache_implementation="static"))
         result["static_tokens_match"] = torch.equal(ours_tokens, hf_generate(cache_implementation="static"))
+        contestants["hf_static"] = lambda: hf_generate(cache_implementation="static")
     except Exception as e:
         result["hf_static_error"] = f"{type(e).__name__}: {str(e)[:100]}"
+    rates = alternate({name: tokens_per_second(fn, n, device) for name, fn in contestants.items()}, reps)
+    result.update({f"{name}_tok_s": spread(values) for name, values in rates.items()})
     result["speedup_vs_hf"] = result["ours_tok_s"]["median"] / result["hf_tok_s"]["median"]
+    result["operations_per_token"] = {"ours": operations_per_token(ours_generate),
+                                      "hf": operations_per_token(hf_generate)}
     return result
+
+
+def tokens_per_second(generate, n, device):
+    """A function that runs generate() (n tokens) and returns its tokens per second."""
+    def once():
+        synchronize(device)
+        t0 = time.perf_counter()
+        generate()
+        synchronize(device)
+        return n / (time.perf_counter() - t0)
+    return once
+
+
+class OperationCount(TorchDispatchMode):
+    """Counts the torch operations run while it is active: every call that reaches torch's
+    dispatcher (aten.linear, aten.layer_norm, a view...), whatever Python made it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def operations_per_token(generate, short=8, long=24):
+    """The torch operations one more token costs, generate(tokens) being a whole greedy
+    generation: counted over two lengths and differenced, so that the prompt's prefill and
+    the set-up are left out. A count, not a time: it does not vary from run to run, and on a
+    small model, where each operation costs more in dispatch than in arithmetic, it is what
+    a decode step's length is made of."""
+    counts = []
+    for tokens in (short, long):
+        with OperationCount() as counter:
+            generate(tokens)
+        counts.append(counter.count)
+    return (counts[1] - counts[0]) / (long - short)
 
 
 def transformers_table(models, device, n, reps):

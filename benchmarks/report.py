@@ -136,7 +136,8 @@ def print_transformers_peer(r):
                   else p.get("hf_static_error", "n/a"))
         print(f"{p['shape']}: ours {fmt_spread(p['ours_tok_s'])} tok/s | HF {fmt_spread(p['hf_tok_s'])} "
               f"tok/s | HF static cache {static} | ours / HF {p['speedup_vs_hf']:.2f}x | "
-              f"greedy tokens match: {p['greedy_tokens_match']}")
+              f"greedy tokens match: {p['greedy_tokens_match']} | torch operations a token: "
+              f"ours {p['operations_per_token']['ours']:.0f}, HF {p['operations_per_token']['hf']:.0f}")
 
 
 def print_kv_dtypes(k):
