@@ -258,17 +258,19 @@ class KVCache(GenerationCache):
         self.length, self.pad = 0, pad
 
     def update(self, layer, k, v):
-        start, T = self.length, k.size(2)
-        if start + T > self.max_len:
-            raise ValueError(f"KVCache holds {self.max_len} positions; {start + T} do not fit")
+        T = k.size(2)  # new positions, written at columns length .. end - 1
+        end = self.length + T
+        if end > self.max_len:
+            raise ValueError(f"KVCache holds {self.max_len} positions; {end} do not fit")
         keys, values = self.kv[layer, 0], self.kv[layer, 1]  # (B, nh, max_len, width): views of the buffer
-        # narrow is a slice of one dimension: the same view as keys[:, :, start:start + T]
-        # in fewer operations, which is what a batch-1 step pays for (every layer, every token)
-        keys.narrow(2, start, T).copy_(self.format.encode(k))  # in place; the past is not copied
-        values.narrow(2, start, T).copy_(self.format.encode(v))
+        # narrow(2, start, n) is keys[:, :, start:start + n], the same view in fewer operations,
+        # which is what a batch-1 step pays for (every layer, every token)
+        keys.narrow(2, self.length, T).copy_(self.format.encode(k))  # in place; the past is not copied
+        values.narrow(2, self.length, T).copy_(self.format.encode(v))
         if layer == len(self.kv) - 1:
-            self.length = start + T
-        return self.format.decode(keys.narrow(2, 0, start + T)), self.format.decode(values.narrow(2, 0, start + T))
+            self.length = end
+        k_all, v_all = keys.narrow(2, 0, end), values.narrow(2, 0, end)  # (B, nh, end, width)
+        return self.format.decode(k_all), self.format.decode(v_all)
 
     def advance(self, n):
         """Count n more columns, written into the buffer by someone else (the compiled
