@@ -262,9 +262,10 @@ class KVCache(GenerationCache):
         end = self.length + T
         if end > self.max_len:
             raise ValueError(f"KVCache holds {self.max_len} positions; {end} do not fit")
-        keys, values = self.kv[layer, 0], self.kv[layer, 1]  # (B, nh, max_len, width): views of the buffer
-        # narrow(2, start, n) is keys[:, :, start:start + n], the same view in fewer operations,
-        # which is what a batch-1 step pays for (every layer, every token)
+        # the layer's keys and values, (B, nh, max_len, width) each: views of the buffer, taken
+        # once and then narrowed (narrow(2, start, n) is [:, :, start:start + n]) rather than
+        # indexing the 6-d buffer again for every write and read
+        keys, values = self.kv[layer, 0], self.kv[layer, 1]
         keys.narrow(2, self.length, T).copy_(self.format.encode(k))  # in place; the past is not copied
         values.narrow(2, self.length, T).copy_(self.format.encode(v))
         if layer == len(self.kv) - 1:

@@ -69,18 +69,22 @@ def transformers_peer(shape, ours, device, n, reps):
 
     def hf_generate(tokens=n, **kw):
         with torch.inference_mode():
-            return theirs.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                   max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0, **kw)
+            return theirs.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                   do_sample=False, max_new_tokens=tokens,
+                                   min_new_tokens=tokens, pad_token_id=0, **kw)
 
     ours_tokens = ours_generate()
-    result = {"shape": shape, "tokens": n, "greedy_tokens_match": torch.equal(ours_tokens, hf_generate())}
+    result = {"shape": shape, "tokens": n,
+              "greedy_tokens_match": torch.equal(ours_tokens, hf_generate())}
     contestants = {"ours": ours_generate, "hf": hf_generate}
     try:  # the static cache is newer, and not every version runs it on every device
-        result["static_tokens_match"] = torch.equal(ours_tokens, hf_generate(cache_implementation="static"))
+        static = hf_generate(cache_implementation="static")
+        result["static_tokens_match"] = torch.equal(ours_tokens, static)
         contestants["hf_static"] = lambda: hf_generate(cache_implementation="static")
     except Exception as e:
         result["hf_static_error"] = f"{type(e).__name__}: {str(e)[:100]}"
-    rates = alternate({name: tokens_per_second(fn, n, device) for name, fn in contestants.items()}, reps)
+    # (a static cache that ran once above runs in the timed turns too)
+    rates = alternate({name: rate_meter(fn, n, device) for name, fn in contestants.items()}, reps)
     result.update({f"{name}_tok_s": spread(values) for name, values in rates.items()})
     result["speedup_vs_hf"] = result["ours_tok_s"]["median"] / result["hf_tok_s"]["median"]
     result["operations_per_token"] = {"ours": operations_per_token(ours_generate),
@@ -88,8 +92,9 @@ def transformers_peer(shape, ours, device, n, reps):
     return result
 
 
-def tokens_per_second(generate, n, device):
-    """A function that runs generate() (n tokens) and returns its tokens per second."""
+def rate_meter(generate, n, device):
+    """A function that runs generate() (n tokens) and returns its tokens per second: what
+    benchmarks.timing.alternate calls in turns."""
     def once():
         synchronize(device)
         t0 = time.perf_counter()

@@ -132,12 +132,13 @@ def print_transformers_peer(r):
     if not r["peer"]:
         print(r["peer_note"])
     for p in r["peer"] or []:
+        ops = p["operations_per_token"]
         static = (fmt_spread(p["hf_static_tok_s"]) if "hf_static_tok_s" in p
                   else p.get("hf_static_error", "n/a"))
         print(f"{p['shape']}: ours {fmt_spread(p['ours_tok_s'])} tok/s | HF {fmt_spread(p['hf_tok_s'])} "
               f"tok/s | HF static cache {static} | ours / HF {p['speedup_vs_hf']:.2f}x | "
               f"greedy tokens match: {p['greedy_tokens_match']} | torch operations a token: "
-              f"ours {p['operations_per_token']['ours']:.0f}, HF {p['operations_per_token']['hf']:.0f}")
+              f"ours {ops['ours']:.0f}, HF {ops['hf']:.0f}")
 
 
 def print_kv_dtypes(k):

@@ -130,7 +130,7 @@ class Generation:
     def __iter__(self):
         """Yield (rows, tokens) once per position until max_new_tokens or every row has
         finished: rows, the row numbers given a token; tokens (len(rows),), their tokens."""
-        if not self.max_new_tokens:
+        if not self.max_new_tokens:  # nothing to generate: no prefill either
             return
         logits, cache, history = self.prefill()
         if self.compile:  # with speculation, the step that checks K proposals is the one

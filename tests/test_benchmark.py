@@ -61,7 +61,8 @@ def test_transformers_peer_reports_what_ran():
     """The transformers table at tiny sizes: a note saying how to install it when it did
     not run, rows with their greedy-token comparison when it did, and the torch operations
     a token on each side: a count, the same in every run, and fewer for our eager step
-    (170 against 284 when written; the bound leaves room for other torch versions)."""
+    (170 against 284 when written; the bound leaves room for other torch and
+    transformers versions)."""
     from benchmarks.cache_cost import random_model
     from benchmarks.peers import transformers_table
     cpu = torch.device("cpu")

@@ -64,5 +64,6 @@ def test_zero_new_tokens_returns_the_prompts():
     assert torch.equal(model.generate(prompt, 0, temperature=0, stats=stats), prompt)
     assert torch.equal(tiny(8, cls=GPT).generate(prompt, 0, temperature=0), prompt)
     assert stats.forward_passes == 0
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 0, got -1"):
-        generate_tokens(model, prompt, -1)
+    for naive_or_cached in (model, tiny(8, cls=GPT)):
+        with pytest.raises(ValueError, match="max_new_tokens must be >= 0, got -1"):
+            naive_or_cached.generate(prompt, -1)
