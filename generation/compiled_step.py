@@ -15,8 +15,9 @@ slower. Here every shape is fixed for the whole generation but one:
   - the cache is the preallocated KVCache, and attention reads every column of its
     buffer, with a mask that hides the columns not written yet (and any left padding);
     the buffer's column count is the one size that may change: the loop grows the cache
-    CACHE_GROWTH (64) columns at a time as it fills (generation/loop.py's make_room), and the library
-    takes any count up to the generation's (torch.export's dynamic dimension: one build);
+    CACHE_GROWTH (64) columns at a time as it fills (generation/loop.py's make_room), and
+    the library takes any count up to the generation's (torch.export's dynamic dimension:
+    one build);
   - the step's position is a tensor, not a Python int: the write index for the new key and
     value (index_put_ at that column) and the row of the position table it looks up (for
     a Llama-family model, the rotary angles it computes).

@@ -170,8 +170,9 @@ def test_a_quantized_build_gives_the_eager_logits_within_bf16_rounding(scheme):
     both, but eager rounds each product to bf16 too (torch's kernels return bf16), where the
     library's kernel may keep float32 (inductor's template, when max_autotune picks it). That
     rounding is at most 2^-9 of each output; tolerance 2^-7 of the logits' scale leaves room
-    for the five Linears it passes through (c_attn, c_proj, the MLP's two, the lm_head). Greedy tokens then agree wherever no two logits
-    are that close (the bundled model from "ROMEO:", 200 of 200, docs/generation.md)."""
+    for the five Linears it passes through (c_attn, c_proj, the MLP's two, the lm_head).
+    Greedy tokens then agree wherever no two logits are that close (the bundled model from
+    "ROMEO:", 200 of 200, docs/generation.md)."""
     config = GPTConfig(context_len=16, vocab_size=64, n_layer=1, n_head=2, n_embd=64)
     model = quantize_model(tiny_model(config, seed=23), scheme)
     tokens = torch.tensor([[5], [9]])
