@@ -2,14 +2,14 @@
 Our server beside llama.cpp's own (llama-server, the server ollama and LM Studio build on),
 on identical weights, under the same load test, in turns:
 
-    python -m benchmarks.server_peers --build out/llama.cpp        # once: ~5 min on 2 cores
-    python -m benchmarks.server_peers --llama-server out/llama.cpp/build/bin/llama-server
+    python -m benchmarks.server_peers --build out/llama.cpp        # once: ~10 min on 2 cores
+    python -m benchmarks.server_peers --llama-server out/llama.cpp/tools-*/llama-server
     python -m benchmarks.server_peers --llama-server ... --shape gpt2   # GPT-2 small, random
 
 --build fetches the llama.cpp sources pinned in requirements-llama.txt (those vendored in the
-llama-cpp-python sdist the tests use) with pip, and builds llama-server with cmake
-(-DGGML_NATIVE=ON: the machine's own vector instructions). It is the one step that needs the
-network; nothing is installed.
+llama-cpp-python sdist the tests use) with pip, and builds llama-server and llama-bench with
+cmake for this CPU (benchmarks/llama_cpp_build.py: its own vector instructions, AMX off where
+it has AMX). It is the one step that needs the network; nothing is installed.
 
 A run writes the model as GGUF (export_gguf.py), starts `python serve.py` and llama-server
 (`-np` slots for as many requests as the workload sends at once, `-t` threads, as much
@@ -40,6 +40,7 @@ if __name__ == "__main__":  # run as a command; importing this file changes noth
 import torch  # noqa: E402
 
 from base_model import GPTConfig  # noqa: E402
+from benchmarks.llama_cpp_build import build_tools, cpu_flags, pinned_version  # noqa: E402
 from benchmarks.serving import run_url  # noqa: E402
 from benchmarks.timing import spread  # noqa: E402
 from export_gguf import export  # noqa: E402
@@ -50,32 +51,6 @@ from plumbing.outputs import check_output_path, json_text, write_atomically  # n
 
 SHAPES = {"gpt2": GPTConfig(context_len=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)}
 READY_SECONDS = 600  # our server compiles its kernel and its step at start-up: minutes on 2 busy cores
-
-
-# ---------------------------------------------------------------------------- building
-
-def pinned_version():
-    """The llama-cpp-python version requirements-llama.txt pins (its vendored llama.cpp)."""
-    for line in (ROOT / "requirements-llama.txt").read_text().splitlines():
-        if line.startswith("llama-cpp-python=="):
-            return line.split("==")[1].strip()
-    raise UserError("requirements-llama.txt pins no llama-cpp-python version")
-
-
-def build(dest):
-    """Fetch the pinned sources into dest and build llama-server; returns its path."""
-    version, dest = pinned_version(), Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                    f"llama-cpp-python=={version}", "-d", str(dest)], check=True)
-    sdist = dest / f"llama_cpp_python-{version}.tar.gz"
-    subprocess.run(["tar", "xzf", str(sdist), "-C", str(dest)], check=True)
-    source = dest / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
-    subprocess.run(["cmake", "-S", str(source), "-B", str(source / "build"), "-DLLAMA_CURL=OFF",
-                    "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release"], check=True)
-    subprocess.run(["cmake", "--build", str(source / "build"), "--target", "llama-server",
-                    "-j", str(os.cpu_count() or 2)], check=True)
-    return source / "build" / "bin" / "llama-server"
 
 
 # ---------------------------------------------------------------------------- the servers
@@ -232,7 +207,7 @@ def main():
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args()
     if args.build:
-        print(f"built {build(args.build)}")
+        print(f"built {build_tools(args.build, cpu_flags()) / 'llama-server'}")
         return
     if not Path(args.llama_server).is_file() or not os.access(args.llama_server, os.X_OK):
         raise UserError(f"--llama-server {args.llama_server}: not an executable file; build one "
