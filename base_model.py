@@ -233,9 +233,9 @@ def store_linears_column_major(model):
     Every Linear weight (out, in) is kept in column-major memory: same shape, values and
     state dict, but the transpose that F.linear multiplies by is then row-major. A batch-1
     decode step is a matrix-vector product per weight, and CPU BLAS streams that layout
-    nearly twice as fast for large matrices (GPT-2's 50257 x 768 lm_head: 6.8 ms vs 12.5 ms
-    here; benchmark.py measures the floor in both layouts). load_state_dict and .to() keep
-    the layout: they copy into these tensors. Returns the model."""
+    nearly twice as fast for large matrices (benchmark.py measures the floor in both
+    layouts). load_state_dict and .to() keep the layout: they copy into these tensors.
+    Returns the model."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.weight.data = module.weight.data.t().contiguous().t()
