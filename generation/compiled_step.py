@@ -79,9 +79,9 @@ class StaticCache:
         k_all, v_all = self.kv[layer, 0], self.kv[layer, 1]  # (B, n_kv_head, max_len, hd): every column
         # Attention written out instead of SDPA: for a few queries, inductor fuses these
         # into its own loops, while SDPA's CPU kernel is a separate call costing more than its
-        # arithmetic. Unwritten columns masked. With
-        # grouped-query attention the query heads sharing a key/value head are its rows:
-        # q as (B, n_kv_head, group x T, hd), one matmul per stored head, nothing copied.
+        # arithmetic. Unwritten columns masked. With grouped-query attention the query heads
+        # sharing a key/value head are its rows: q as (B, n_kv_head, group x T, hd), one
+        # matmul per stored head, nothing copied.
         B, nh, T, hd = q.shape
         n_kv = k_all.size(1)
         q = q.reshape(B, n_kv, nh // n_kv * T, hd)                     # (B, n_kv_head, group x T, hd)

@@ -19,12 +19,12 @@ the C++ it generates loads each key and value straight from its block, once, and
 writes a copy.
 
 The engine's decode step is compiled whole (compiled_decode_step): the model's forward with
-the pool as its cache (PagedKernelCache), so that the kernel, the matmuls and the small operations
-between them (LayerNorm, GELU, residuals) are one graph of generated loops instead of a
-hundred calls from Python a step; the draw of each row's next token is in the graph too
-(sample.sample_rows_with_noise, each row with its own temperature), so what comes back is
-tokens ready to hand out, not logits to sample in Python. Each of its rows is one query: a
-decode step's rows are its sequences, and a short prefill (a prefix hit's last
+the pool as its cache (PagedKernelCache), so that the kernel, the matmuls and the small
+operations between them (LayerNorm, GELU, residuals) are one graph of generated loops
+instead of a hundred calls from Python a step; the draw of each row's next token is in the
+graph too (sample.sample_rows_with_noise, each row with its own temperature), so what comes
+back is tokens ready to hand out, not logits to sample in Python. Each of its rows is one
+query: a decode step's rows are its sequences, and a short prefill (a prefix hit's last
 tokens, a short prompt) can be rows too, one per token, each reading the columns up to its
 own (decode_index.fed_rows: the causal mask, row by row). A long prefill's queries are
 better read together, each key once for all of them: it keeps the gather and SDPA.
@@ -167,9 +167,10 @@ def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, 
     for eager calls) and through inductor's own C++ template (which wins at the bundled
     model's 256-wide Linears), the faster compiled in. Either beats MKL, which packs the
     weight again on every call (docs/serving.md measures it). The price: the graph keeps the
-    weights it was compiled with, so a model's weights must not change while an engine serves it, and each model
-    is a graph of its own (compiled again for every model, timing its matmuls: a minute
-    or more per engine in a process that makes many, hence not the default). A server
+    weights it was compiled with, so a model's weights must not change while an engine
+    serves it, and each model is a graph of its own (compiled again for every model, timing
+    its matmuls: a minute or more per engine in a process that makes many, hence not the
+    default). A server
     compiles two; the limit of graphs per function is raised for processes that make many
     engines. The options are read when a graph is compiled, inside the call: hence the
     patch around it (torch.compile's options= does not reach freezing). With freeze the
