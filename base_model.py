@@ -114,6 +114,28 @@ class Block(nn.Module):
         return x
 
 
+def init_weights(model, residual_projections):
+    """GPT-2's initialisation, for GPT and llama.Llama: every Linear and Embedding weight
+    drawn from N(0, 0.02), every bias zero; then the residual projections (the parameters
+    whose names end in one of residual_projections) drawn again with std 0.02 / sqrt(2 x
+    n_layer), so that the residual stream's variance does not grow with the number of blocks."""
+    def init_module(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+    model.apply(init_module)
+    for name, p in model.named_parameters():
+        if name.endswith(residual_projections):
+            nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * model.config.n_layer))
+
+
+def next_token_loss(logits, targets):
+    """The training loss: cross-entropy of logits (B, T, V) against targets (B, T), the
+    token that follows each position (-1: a position that counts for nothing), in float32."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+
+
 class NaiveGeneration:
     """The naive loop, for any model whose forward(idx, last_only=True) gives the last
     position's logits and whose config has a context_len: GPT below, and llama.Llama."""
@@ -165,18 +187,7 @@ class GPT(NaiveGeneration, nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
-        self.apply(self._init_weights)
-        # GPT-2's scaled init: residual projections shrink with depth so the residual
-        # stream's variance does not grow with the number of blocks
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    def _init_weights(self, module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        init_weights(self, residual_projections=("c_proj.weight",))
 
     def num_params(self):
         # the tied lm_head shares wte's tensor, so parameters() counts it once
@@ -208,11 +219,7 @@ class GPT(NaiveGeneration, nn.Module):
         for block in self.transformer.h:
             x = block(x)
         logits = self.head(x[:, -1:] if last_only else x)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1),
-                                   ignore_index=-1)
-        return logits, loss
+        return logits, (None if targets is None else next_token_loss(logits, targets))
 
 
 # ---------------------------------------------------------------------------- before decoding
@@ -226,9 +233,9 @@ def store_linears_column_major(model):
     Every Linear weight (out, in) is kept in column-major memory: same shape, values and
     state dict, but the transpose that F.linear multiplies by is then row-major. A batch-1
     decode step is a matrix-vector product per weight, and CPU BLAS streams that layout
-    nearly twice as fast for large matrices (GPT-2's 50257 x 768 lm_head: 6.8 ms vs 12.5 ms
-    here; benchmark.py measures the floor in both layouts). load_state_dict and .to() keep
-    the layout: they copy into these tensors. Returns the model."""
+    nearly twice as fast for large matrices (benchmark.py measures the floor in both
+    layouts). load_state_dict and .to() keep the layout: they copy into these tensors.
+    Returns the model."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.weight.data = module.weight.data.t().contiguous().t()

@@ -4,30 +4,31 @@ and returns the keys and values of past tokens, so generation feeds only the new
 per step.
 
 Keys and values of past tokens never change (attention is causal), so they are computed
-once and kept. Two things must then respect the cache:
+once and kept. forward() changes in three places, marked (1) (2) (3) in the code:
   1. positions: a new token sits at absolute position past_len, not 0 (GPT-2: a row of
      the position table; Llama: the rotary angle of past_len);
-  2. the causal mask: new queries sit at global rows past_len .. past_len+T-1.
+  2. the causal mask: new queries sit at global rows past_len .. past_len+T-1;
+  3. attention stores the new keys and values and attends over all of them (cache.attend
+     calls cache.update: the cache step).
 The parameters are untouched, so any base_model.GPT (llama.Llama) checkpoint loads into
 KVCacheGPT (KVCacheLlama) unchanged.
 
-Read it in this order: the caches (what `cache.update` does), then KVCacheGPT.forward (the
-change), then KVCacheLlama.forward (the same change for rotary positions and grouped-query
-attention). The loop that generates with them is generation/loop.py. Run
-`python kv_cache.py` for the demo: parity with a full forward, speed with and without the
-cache, its size (`--ckpt checkpoints/shakespeare-llama/ckpt.pt`: what fewer heads save), a
-batch, and speculative decoding (the cache rolled back).
+Read it in this order: the caches (what `cache.update` does), then CachedModel.forward (the
+change, for both families), then how each family places a position (KVCacheGPT.embed_at: a
+row of the position table; KVCacheLlama.embed_at: rotary angles). The loop that generates
+with them is generation/loop.py. Run `python kv_cache.py` for the demo (demo/kv_cache_demo.py):
+parity with a full forward, speed with and without the cache, its size (`--ckpt
+checkpoints/shakespeare-llama/ckpt.pt`: what fewer heads save), a batch, and speculative
+decoding (the cache rolled back).
 """
-
-import time
 
 import torch
 import torch.nn.functional as F
 
 from base_model import GPT, CausalSelfAttention
-from generation.loop import GenerationStats, generate_tokens, synchronize
+from generation.loop import generate_tokens
 from llama import Llama, LlamaAttention, rotate
-from kv_quant import cache_bytes, cache_formula, dtype_name, storage_format
+from kv_quant import dtype_name, storage_format
 
 
 # ---------------------------------------------------------------------------- the caches
@@ -368,14 +369,58 @@ def as_cache(past_kv, n_layer):
 # ---------------------------------------------------------------------------- the model
 
 class CachedModel:
-    """What the two cached models share: (3) the mask of the new queries, a new cache, and
-    generate() through the loop. Each model's forward (KVCacheGPT's, KVCacheLlama's) makes
-    the three changes; embed_at and blocks are what the compiled decode step
-    (generation/compiled_step.py) calls instead, with its positions in a tensor."""
+    """What the two cached models share: forward(), the one change (its parts marked (1) (2)
+    (3)), a new cache, and generate() through the loop. A family says only how a position
+    enters the model (embed_at) and where its blocks are (blocks)."""
+
+    def forward(self, idx, past_kv=None, last_only=False):
+        """idx (B, T) are the new tokens; past_kv is None, the seed's list of per-layer
+        (k, v), or a Cache. Returns logits (B, T, V) and the cache, extended by these T
+        positions: the same Cache object, or for the seed's list form a ConcatCache, which
+        reads as that list (cache[layer] is the layer's (k, v)). last_only=True computes
+        logits for the last position only (B, 1, V): all that generation needs, and it
+        spares a (T x vocab) matmul when prefilling a prompt.
+
+        The naive forward (GPT.forward, Llama.forward), plus the three things marked (1) (2) (3)."""
+        cache = as_cache(past_kv, self.config.n_layer)
+        past_len, T = cache.length, idx.size(1)
+        # (1) positions offset by the cache: the new tokens sit at past_len .. past_len+T-1
+        positions = self.positions(past_len, T, cache.pad, idx.device)
+        # (2) the causal mask, sliced at the new queries' global rows past_len .. past_len+T-1
+        mask = self.attention_mask(past_len, T, cache.pad, idx.device)
+        # (3) the cache update happens inside attention: cache.attend calls cache.update(layer, k, v)
+        return self.forward_at(idx, positions, cache, mask, last_only), cache
+
+    def forward_at(self, idx, positions, cache, mask, last_only=False):
+        """Logits (B, T, V), or (B, 1, V) with last_only, for the new tokens idx (B, T) at
+        `positions`, every layer's attention extending `cache` and seeing the keys `mask`
+        lets it see. forward() calls it; so do the compiled step (generation/compiled_step.py:
+        a static cache, positions and a mask as tensors of fixed shape) and the serving
+        engine's paged step (serving/paged_attention.py: the pool as the cache)."""
+        x, block_args = self.embed_at(idx, positions)  # (B, T, C), and Llama's rotary angles
+        for layer, block in enumerate(self.blocks):
+            x = block(x, **block_args, cache=cache, layer=layer, mask=mask)
+        return self.head(x[:, -1:] if last_only else x)
+
+    def positions(self, past_len, T, pad, device):
+        """(1) The positions of the new tokens, columns past_len .. past_len+T-1 of the cache:
+        (T,), or with left padding (batches of prompts of different lengths) (B, T), each
+        row's columns minus its padding, so that every row's first real token is at 0.
+
+        Why not the columns: GPT-2's positions are learned and absolute, so a row that used
+        its columns would be read as if its text started pad[b] tokens later, and the model
+        would write different text. Rotary positions are relative (q . k sees only the
+        distance): a row's distances are the same either way, but its angles, and so its
+        rounding, would differ from the ones it gets alone."""
+        self.check_context(past_len + T)  # columns: a row's positions are fewer
+        columns = torch.arange(past_len, past_len + T, device=device)
+        if pad is None:
+            return columns
+        return (columns - pad[:, None]).clamp(min=0)  # padding columns: any position, nothing reads them
 
     @staticmethod
     def attention_mask(past_len, T, pad, device):
-        """What SDPA needs to know of the causal order: None (every query sees every key)
+        """(2) What SDPA needs to know of the causal order: None (every query sees every key)
         or a bool mask, True where a query may see a key.
 
         Tq = T new queries, at global rows past_len .. past_len+T-1
@@ -430,52 +475,18 @@ class CachedSelfAttention(CausalSelfAttention):
         if cache is None:
             return super().forward(x)
         q, k, v = self.qkv(x)                   # (B, nh, T, hd) each, for the T new tokens
-        y = cache.attend(layer, q, k, v, mask)  # cache.update(layer, k, v), then SDPA
+        y = cache.attend(layer, q, k, v, mask)  # (3) cache.update(layer, k, v), then SDPA
         return self.project_out(y)
 
 
 class KVCacheGPT(CachedModel, GPT):
+    """base_model.GPT with the one change to forward() (CachedModel.forward): a position
+    enters as a row of the position table, added to the token's embedding."""
     Attention = CachedSelfAttention
 
-    def forward(self, idx, past_kv=None, last_only=False):
-        """idx (B, T) are the new tokens; past_kv is None, the seed's list of per-layer
-        (k, v), or a Cache. Returns logits (B, T, V) and the cache, extended by these T
-        positions: the same Cache object, or for the seed's list form a ConcatCache, which
-        reads as that list (cache[layer] is the layer's (k, v)). last_only=True computes
-        logits for the last position only (B, 1, V): all that generation needs, and it
-        spares a (T x vocab) matmul when prefilling a prompt.
-
-        GPT.forward, plus the three things marked (1) (2) (3)."""
-        cache = as_cache(past_kv, self.config.n_layer)
-        past_len, T = cache.length, idx.size(1)
-        # (1) positions offset by the cache: the new tokens sit at past_len .. past_len+T-1
-        x = self.embed(idx, past_len, cache.pad)
-        # (3) which cached and new keys each new query may see
-        mask = self.attention_mask(past_len, T, cache.pad, idx.device)
-        for layer, block in enumerate(self.transformer.h):
-            # (2) the cache update happens inside attention: CachedSelfAttention.forward
-            x = block(x, cache=cache, layer=layer, mask=mask)
-        logits = self.head(x[:, -1:] if last_only else x)
-        return logits, cache
-
-    def embed(self, idx, start_pos=0, pad=None):
-        """Token plus position embeddings for the columns start_pos.. of idx (B, T).
-
-        With left padding (batches of prompts of different lengths), row b's first real
-        token sits at column pad[b] but must get position 0: GPT-2's positions are learned
-        and absolute, so a row that used the column as its position would be read as if its
-        text started pad[b] tokens later, and the model would write different text."""
-        if pad is None:
-            return super().embed(idx, start_pos)
-        self.check_context(start_pos + idx.size(1))  # columns: a row's positions are fewer
-        columns = torch.arange(start_pos, start_pos + idx.size(1), device=idx.device)
-        # (B, T); padding columns would be negative: any valid row will do, nothing reads them
-        positions = (columns - pad[:, None]).clamp(min=0)
-        return self.embed_at(idx, positions)[0]
-
     def embed_at(self, idx, positions):
-        """The first block's input for idx (B, T) at positions (B, T), and what every block
-        takes besides (nothing: GPT-2's positions are in the input)."""
+        """The first block's input for idx (B, T) at positions ((T,) or (B, T)), and what
+        every block takes besides (nothing: GPT-2's positions are in the input)."""
         return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions)), {}
 
     @property
@@ -492,47 +503,19 @@ class CachedLlamaAttention(LlamaAttention):
         # q (B, nh, T, hd); k, v (B, n_kv_head, T, hd): the keys already rotated to their
         # positions, so the cache stores them rotated and never touches them again
         q, k, v = self.qkv(x, rope)
-        y = cache.attend(layer, q, k, v, mask)  # cache.update(layer, k, v), then SDPA (GQA)
+        y = cache.attend(layer, q, k, v, mask)  # (3) cache.update(layer, k, v), then SDPA (GQA)
         return self.project_out(y)
 
 
 class KVCacheLlama(CachedModel, Llama):
-    """llama.Llama with the same three changes: (1) the rotary angles of positions past_len..,
-    (2) the cache update inside attention, keys after rotation, n_kv_head heads, (3) the
-    same mask."""
+    """llama.Llama with the same change to forward(): a position enters as the rotary angle
+    every block turns its queries and keys by; the cache stores keys after rotation, and
+    n_kv_head heads of them."""
     Attention = CachedLlamaAttention
-
-    def forward(self, idx, past_kv=None, last_only=False):
-        """KVCacheGPT.forward's contract, for llama.Llama: Llama.forward plus (1) (2) (3)."""
-        cache = as_cache(past_kv, self.config.n_layer)
-        past_len, T = cache.length, idx.size(1)
-        # (1) positions offset by the cache: the new tokens are rotated by the angles of
-        #     positions past_len .. past_len+T-1 (each row's own, with left padding)
-        rope = self.rotary(self.positions(past_len, T, cache.pad, idx.device))
-        # (3) which cached and new keys each new query may see: the same mask as GPT-2's
-        mask = self.attention_mask(past_len, T, cache.pad, idx.device)
-        x = self.model.embed_tokens(idx)
-        for layer, block in enumerate(self.model.layers):
-            # (2) the cache update happens inside attention: CachedLlamaAttention.forward
-            x = block(x, rope, cache=cache, layer=layer, mask=mask)
-        logits = self.head(x[:, -1:] if last_only else x)
-        return logits, cache
-
-    def positions(self, start_pos, T, pad, device):
-        """The positions of columns start_pos .. start_pos+T-1: (T,), or with left padding
-        (B, T), each row's columns minus its padding. Rotary positions are relative (q . k
-        sees only the distance), so a batch without padding would do as well with columns;
-        with padding a row's distances are the same either way too, but its angles would
-        differ from the ones it gets alone, and so would its rounding."""
-        self.check_context(start_pos + T)
-        columns = torch.arange(start_pos, start_pos + T, device=device)
-        if pad is None:
-            return columns
-        return (columns - pad[:, None]).clamp(min=0)  # padding columns: any angle, nothing reads them
 
     def embed_at(self, idx, positions):
         """The first block's input for idx (B, T), and what every block takes besides: the
-        rotary angles of positions (B, T)."""
+        rotary angles of positions ((T,) or (B, T))."""
         return self.model.embed_tokens(idx), {"rope": self.rotary(positions)}
 
     @property
@@ -553,201 +536,9 @@ class KVCacheLlama(CachedModel, Llama):
 CACHED_MODELS = {"gpt": KVCacheGPT, "llama": KVCacheLlama}
 
 
-# ---------------------------------------------------------------------------- the demo
-
-def incremental_logits(model, idx, chunk, kind):
-    """Feed idx (B, T) through a cache of `kind` `chunk` tokens per forward (the seed's
-    list form for "cat"); returns the logits (B, T, V) and the cache."""
-    cache = None if kind == "cat" else model.new_cache(idx.size(0), kind)
-    pieces = []
-    for start in range(0, idx.size(1), chunk):
-        logits, cache = model(idx[:, start:start + chunk], cache)
-        pieces.append(logits)
-    return torch.cat(pieces, dim=1), cache
-
-
-def timed_generate(model, idx, n, vocab_limit, **loop_args):
-    """(tokens, tokens per second) for a greedy generation of n tokens."""
-    synchronize(idx.device)
-    t0 = time.perf_counter()
-    out = model.generate(idx, n, temperature=0, vocab_limit=vocab_limit, **loop_args)
-    synchronize(idx.device)
-    return out, n / (time.perf_counter() - t0)
-
-
-def speculative_step_by_hand(model, tokenizer, ids, k, n):
-    """One step of speculative decoding done with the cache directly, printed: at the first
-    point of the text ids (a greedy generation: the model's own choices) where a prompt-lookup
-    proposal is partly right."""
-    from generation.speculative import PromptLookup, verify
-    lookup = PromptLookup(n)
-    for end in range(2, len(ids) - k):
-        lookup.start([ids[:end]])
-        proposals = lookup.propose(k)
-        proposed = proposals.tokens[0, :proposals.counts[0]].tolist()
-        right = next((i for i, (a, b) in enumerate(zip(proposed, ids[end:])) if a != b), len(proposed))
-        if 0 < right < len(proposed):
-            break
-    else:
-        print("   (no proposal in this text is partly right: see the totals below)")
-        return
-    show = lambda tokens: " ".join(repr(tokenizer.decode([t])) for t in tokens)  # noqa: E731
-    cache = model.new_cache(1)
-    model(torch.tensor([ids[:end - 1]]), cache)  # the text so far, but its newest token
-    print(f"   the text so far ends {tokenizer.decode(ids[max(0, end - 8):end])!r}; "
-          f"the cache holds {cache.length} columns")
-    print(f"   prompt lookup proposes {show(proposed)}")
-    fed = torch.tensor([[ids[end - 1]] + proposed])
-    logits, cache = model(fed, cache)  # the newest token and the proposals, one pass
-    tokens, counts = verify(logits, proposals, temperature=0)
-    accepted = int(counts[0]) - 1
-    print(f"   one pass over the newest token + {len(proposed)} proposals: the cache holds "
-          f"{cache.length}; the model's own choices {show(tokens[0].tolist())}")
-    cache.rollback(torch.tensor([end + accepted]))  # the newest token + the accepted ones
-    print(f"   it agrees with the first {accepted}, then adds its own "
-          f"{show(tokens[0, accepted:accepted + 1].tolist())}: {accepted + 1} tokens for one pass")
-    print(f"   rollback: the cache forgets the {len(proposed) - accepted} rejected and holds "
-          f"{cache.length} columns, as if they had never been fed")
-
-
-def speculative_part(model, tokenizer, prompt, n_tokens, k, n, draft, kv):
-    """Part 5: a step by hand, then whole generations with each proposer against plain."""
-    from generation.speculative import PromptLookup
-    n_vocab = tokenizer.n_vocab
-    plain, plain_tps = timed_generate(model, prompt, n_tokens, n_vocab, **kv)
-    speculative_step_by_hand(model, tokenizer, plain[0].tolist(), k, n)
-    proposers = {f"prompt lookup ({n}-grams)": PromptLookup(n)}
-    if draft is not None:
-        proposers[draft.describe()] = draft
-    print(f"   {n_tokens} new tokens, greedy, up to {k} proposals per pass; plain: {plain_tps:.1f} tokens/s")
-    for name, proposer in proposers.items():
-        stats = GenerationStats()
-        options = dict(speculate=k, proposer=proposer, **kv)
-        timed_generate(model, prompt, 8, n_vocab, **options)  # warm-up
-        out, tps = timed_generate(model, prompt, n_tokens, n_vocab, stats=stats, **options)
-        print(f"   {name}: {stats.proposed} proposed, {stats.accepted} accepted "
-              f"({stats.accepted / max(1, stats.proposed):.0%}), {stats.forward_passes} forward passes "
-              f"for {n_tokens} tokens; {tps:.1f} tokens/s ({tps / plain_tps:.2f}x); same tokens: "
-              f"{'yes' if torch.equal(out, plain) else 'no (float ties in argmax)'}")
-
-
-def main():
-    # the command-line layer, for the demo only: importing this module never loads it
-    from kv_quant import KV_DTYPES
-    from plumbing.checkpoint import NAIVE_MODELS
-    from plumbing.cli import (ArgumentParser, add_model_args, add_speculation_args, check_speculate,
-                              load_from_args, positive_int, prepare_for_generation, proposer_from_args)
-    from plumbing.script import UserError
-    from plumbing.user_text import prompt_tokens
-
-    parser = ArgumentParser(description="KV-cache demo: parity with a full forward, "
-                            "speed with and without the cache, the cache's size, a batch.")
-    add_model_args(parser)
-    parser.add_argument("--tokens", type=positive_int, default=200,
-                        help="tokens to generate in the speed test (default: 200)")
-    parser.add_argument("--compile", action="store_true", help="also time the cached loop "
-                        "with its static-shape decode step compiled (generation/compiled_step.py)")
-    parser.add_argument("--kv-dtype", choices=KV_DTYPES, help="also store the cache as this "
-                        "dtype (int8, int4: quantized; kv_quant.py) and use it in parts 2-5")
-    add_speculation_args(parser)
-    args = parser.parse_args()
-    model, tokenizer, device = load_from_args(CACHED_MODELS, args)
-    args.speculate = args.speculate or 4  # part 5: prompt lookup always, the draft if given
-    check_speculate(args.speculate, model)
-    draft = proposer_from_args(CACHED_MODELS, args, model, tokenizer, device) if args.draft is not None else None
-    kv = {"cache_kind": args.kv_dtype} if args.kv_dtype else {}  # the loop's, or its default
-    try:
-        model.new_cache(1, args.kv_dtype)
-    except ValueError as e:
-        raise UserError(f"--kv-dtype {args.kv_dtype}: {e}") from None
-    config = model.config
-
-    # Weight compatibility: the naive model takes the cached model's state dict as it is,
-    # and the same weight layout, so that the speed comparison measures only the cache.
-    naive = NAIVE_MODELS[config.family](config).to(device=device, dtype=model.lm_head.weight.dtype).eval()
-    naive.load_state_dict(model.state_dict(), strict=True)
-    prepare_for_generation(naive, args)
-
-    print("\n1. Correctness: incremental feeds vs one full forward (max |full - incremental| logit)")
-    T = min(64, config.context_len)
-    idx = torch.randint(tokenizer.n_vocab, (1, T), device=device)
-    with torch.no_grad():
-        full, _ = model(idx)
-        kinds = [("cat", "torch.cat list cache"), (None, "preallocated KVCache")]
-        if args.kv_dtype:
-            kinds.append((args.kv_dtype, f"{args.kv_dtype} KVCache"))
-        for kind, name in kinds:
-            for chunk in (1, 5):
-                logits, cache = incremental_logits(model, idx, chunk, kind)
-                diff = (full - logits).abs().max().item()
-                if kind == "cat":
-                    cat_cache = cache  # measured in part 3
-                feed = "token by token " if chunk == 1 else f"chunks of {chunk}    "
-                print(f"   {feed} {name:21s}: {diff:.2e}")
-    print(f"   ({T} random tokens; not exactly 0 because the same math is batched differently"
-          + (f"; {args.kv_dtype} also rounds what it stores" if kv else "") + ")")
-
-    print(f"\n2. Speed: {args.tokens} new tokens, greedy, batch 1, {device.type}"
-          + (f", {args.quantize} weights (both loops)" if args.quantize != "none" else "")
-          + (f", {args.kv_dtype} cache" if kv else ""))
-    prompt = torch.tensor([prompt_tokens(tokenizer, "ROMEO:\n")], device=device)
-    n_vocab = tokenizer.n_vocab
-    timed_generate(model, prompt, 8, n_vocab, **kv)  # warm-up: first calls pay for allocation
-    timed_generate(naive, prompt, 8, n_vocab)
-    cached_out, cached_tps = timed_generate(model, prompt, args.tokens, n_vocab, **kv)
-    naive_out, naive_tps = timed_generate(naive, prompt, args.tokens, n_vocab)
-    naive_name = f"{type(naive).__module__}.{type(naive).__name__}.generate"  # base_model.GPT.generate
-    print(f"   without cache ({naive_name}): {naive_tps:8.1f} tokens/s")
-    cached_name = f"{type(model).__name__}.generate"                          # KVCacheGPT.generate
-    print(f"   with cache    ({cached_name}){' ' * (len(naive_name) - len(cached_name))}: {cached_tps:8.1f} tokens/s")
-    why = "float ties in argmax" + (f", or the {args.kv_dtype} cache's rounding" if kv else "")
-    print(f"   speedup: {cached_tps / naive_tps:.2f}x; same tokens: "
-          f"{'yes' if torch.equal(cached_out, naive_out) else f'no ({why})'}")
-    if args.compile:
-        stats = GenerationStats()
-        timed_generate(model, prompt, 8, n_vocab, compile=True, stats=stats)  # compiles
-        compiled_out, compiled_tps = timed_generate(model, prompt, args.tokens, n_vocab, compile=True)
-        print(f"   with cache, compiled step               : {compiled_tps:8.1f} tokens/s "
-              f"({compiled_tps / cached_tps:.2f}x eager; compiling took {stats.compile_seconds:.1f} s; "
-              f"same tokens: {'yes' if torch.equal(compiled_out, cached_out) else 'no'})")
-    text = tokenizer.decode(cached_out[0, prompt.size(1):].tolist())
-    print("   continuation: " + repr(text[:120]) + ("..." if len(text) > 120 else ""))
-
-    print("\n3. Memory: S_cache = 2 x n_layer x n_kv_head x L x head_dim x bytes (x batch)")
-    weights = dtype_name(model.lm_head.weight.dtype)
-    print(f"   {config.n_layer} layers, {config.n_kv_head} kv heads, head_dim {config.head_dim}, "
-          f"{model.lm_head.weight.element_size()} bytes per value")
-    print(f"   torch.cat cache after {T} tokens: formula {cache_bytes(config, T, 1, weights):,} B, "
-          f"tensors hold {cat_cache.nbytes():,} B")
-    print(f"   preallocated for L = context_len = {config.context_len}: formula "
-          f"{cache_bytes(config, config.context_len, 1, weights):,} B, "
-          f"tensors hold {model.new_cache(1).nbytes():,} B")
-    if config.n_kv_head != config.n_head:  # grouped-query attention: the formula's N_kv_heads
-        every_head = cache_bytes(config, config.context_len, 1, weights) * config.n_head // config.n_kv_head
-        print(f"   grouped-query attention: {config.n_head} query heads share {config.n_kv_head} "
-              f"key/value head{'s' if config.n_kv_head > 1 else ''}; one per query head would "
-              f"hold {every_head:,} B, {config.n_head // config.n_kv_head}x as much")
-    if kv:  # codes and their scales: kv_quant.py
-        formula, text = cache_formula(config, config.context_len, 1, args.kv_dtype)
-        print(f"   {args.kv_dtype}: {text} = {formula:,} B, "
-              f"tensors hold {model.new_cache(1, args.kv_dtype).nbytes():,} B")
-
-    print("\n4. A batch of different prompts: left-padded, positions from 0 in every row")
-    texts = ["ROMEO:", "JULIET:\nO Romeo, Romeo!", "KING HENRY:\nOnce more unto the breach"]
-    prompts = [prompt_tokens(tokenizer, t) for t in texts]
-    n = min(40, args.tokens)
-    batch = generate_tokens(model, prompts, n, temperature=0, vocab_limit=n_vocab, **kv)
-    alone = [generate_tokens(model, [p], n, temperature=0, vocab_limit=n_vocab, **kv)[0] for p in prompts]
-    for text, row, single in zip(texts, batch, alone):
-        print(f"   {len(tokenizer.encode_ordinary(text)):2d}-token prompt {text.splitlines()[0]!r:14s}: "
-              f"same {n} tokens as alone: {'yes' if torch.equal(row, single) else 'no'}")
-
-    print("\n5. Speculative decoding: propose tokens, check them in one pass, roll the cache back")
-    with torch.no_grad():
-        speculative_part(model, tokenizer, prompt, args.tokens, args.speculate,
-                         args.prompt_lookup or 3, draft, kv)
-
-
 if __name__ == "__main__":
+    # the demo (parity, speed, size, a batch, speculative decoding) lives in demo/, which is
+    # handed the models rather than importing this module back
+    from demo.kv_cache_demo import main
     from plumbing.script import run
-    run(main)
+    run(lambda: main(CACHED_MODELS))

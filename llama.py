@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from base_model import NaiveGeneration
+from base_model import NaiveGeneration, init_weights, next_token_loss
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -194,19 +194,10 @@ class Llama(NaiveGeneration, nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.model.embed_tokens.weight = self.lm_head.weight
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():  # residual projections scaled, as GPT-2's
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        init_weights(self, residual_projections=("o_proj.weight", "down_proj.weight"))
         # A plain tensor, not a buffer: model.to(torch.bfloat16) would round the frequencies
         # too, and position 1000's angle would then be off by radians.
         self.inv_freq = rope_frequencies(config)
-
-    def _init_weights(self, module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # a tied lm_head counts once
@@ -240,8 +231,4 @@ class Llama(NaiveGeneration, nn.Module):
         for block in self.model.layers:
             x = block(x, rope)
         logits = self.head(x[:, -1:] if last_only else x)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1),
-                                   ignore_index=-1)
-        return logits, loss
+        return logits, (None if targets is None else next_token_loss(logits, targets))

@@ -10,8 +10,8 @@ into generated C++ loops and calls the matmul kernels directly, so the Python is
 
 But a graph holds fixed shapes. The eager step's shapes change every step (the cache
 holds one more column, the mask and positions slice moves), and a graph keyed on them
-recompiles each time: that is why compiling KVCacheGPT.forward as it is made decoding 7x
-slower. Here every shape is fixed for the whole generation but one:
+recompiles each time: compiling the cached model's forward as it is makes decoding slower,
+not faster. Here every shape is fixed for the whole generation but one:
   - the cache is the preallocated KVCache, and attention reads every column of its
     buffer, with a mask that hides the columns not written yet (and any left padding);
     the buffer's column count is the one size that may change: the loop grows the cache
@@ -26,9 +26,8 @@ its proposals in one such step: generation/speculative.py): T is part of the sha
 T is a graph of its own; that step hands back logits, for the proposer's verification.
 Reading the whole buffer costs its bytes every step, which is why the loop sizes it to the
 generation instead of the whole context (at GPT-2 small a 1024-column cache is 75 MB, more
-than half of the int8 weights' bytes; sized to 256 columns the int8 step made 89 tokens/s
-instead of 60), and grows it as it fills instead of allocating it whole: 1000 tokens of
-GPT-2 small in int8 ran 1.12-1.25x faster, 200 tokens in int4 ~1.07x (docs/benchmarks.md).
+than half of the int8 weights' bytes), and grows it as it fills instead of allocating it
+whole (docs/benchmarks.md measures both).
 
 Ahead of time, not just in time: torch.compile's result runs Python on every call (guards
 that check the inputs still match the graph, a wrapper around it), a fixed cost per step
@@ -53,10 +52,10 @@ from kv_quant import dtype_name
 from sample import sample_with_noise
 
 
-class StaticStep:
-    """What attention sees as its cache inside the compiled step (a kv_cache.Cache):
-    it writes the new column at a position held in a tensor and attends over the whole
-    buffer, so no shape depends on how much has been cached."""
+class StaticCache:
+    """The cache of the compiled step (a kv_cache.Cache, over the KVCache's buffer): it
+    writes the new columns at a position held in a tensor and attends over the whole buffer,
+    so no shape depends on how much has been cached."""
 
     def __init__(self, kv, new_columns):
         self.kv = kv  # (n_layer, 2, B, n_kv_head, max_len, hd)
@@ -72,17 +71,17 @@ class StaticStep:
         # q (B, nh, T, hd); k, v: (B, n_kv_head, T, hd), written at the new columns of this
         # layer. One index_put_ on the whole buffer, not a write into the view kv[layer]: the
         # compiler turns a write into a view of its input into a copy of the whole buffer
-        # (every layer, every step: 3x slower than eager), while a write into the input
-        # itself stays in place.
+        # (every layer, every step: slower than eager), while a write into the input itself
+        # stays in place.
         layer_index = torch.full((1, 1, 1, 1), layer, device=k.device)
         self.kv.index_put_((layer_index, self.k_or_v, self.rows, self.heads, self.columns),
                            torch.stack([k, v]))  # (2, B, n_kv_head, T, hd)
         k_all, v_all = self.kv[layer, 0], self.kv[layer, 1]  # (B, n_kv_head, max_len, hd): every column
         # Attention written out instead of SDPA: for a few queries, inductor fuses these
         # into its own loops, while SDPA's CPU kernel is a separate call costing more than its
-        # arithmetic (a large share of a bundled step). Unwritten columns masked. With
-        # grouped-query attention the query heads sharing a key/value head are its rows:
-        # q as (B, n_kv_head, group x T, hd), one matmul per stored head, nothing copied.
+        # arithmetic. Unwritten columns masked. With grouped-query attention the query heads
+        # sharing a key/value head are its rows: q as (B, n_kv_head, group x T, hd), one
+        # matmul per stored head, nothing copied.
         B, nh, T, hd = q.shape
         n_kv = k_all.size(1)
         q = q.reshape(B, n_kv, nh // n_kv * T, hd)                     # (B, n_kv_head, group x T, hd)
@@ -93,33 +92,29 @@ class StaticStep:
         return (weights @ v_all).view(B, nh, T, hd)
 
 
-def decode_step(model, tokens, kv, length, pad):
+def static_forward(model, tokens, kv, length, pad):
     """Logits (B, T, V) for tokens (B, T) at columns length.. of the cache buffer kv (length:
     (1,) LongTensor); pad (B,): left-padding columns per row (zeros when there is none).
 
-    The cached model's forward (KVCacheGPT's or KVCacheLlama's), with its three
-    cache-dependent parts written with tensors:"""
+    The cached forward (kv_cache.CachedModel.forward, through the same forward_at) with its
+    three parts written with tensors of fixed shape:"""
     max_len = kv.size(4)
     new_columns = length + torch.arange(tokens.size(1), device=kv.device)  # (T,)
     # (1) positions: each row's columns minus its padding, as a tensor (a table row for
     #     GPT-2, rotary angles for Llama: the model's embed_at)
     positions = new_columns[None, :] - pad[:, None]                       # (B, T)
-    x, block_args = model.embed_at(tokens, positions)                     # (B, T, C)
-    # (3) the mask: for the token at column c, the keys up to c (its own included), none in
-    # a row's padding
+    # (2) the mask over the whole buffer: for the token at column c, the keys up to c (its
+    #     own included), none in a row's padding, none not written yet
     columns = torch.arange(max_len, device=kv.device)
     visible = ((columns[None, None, :] <= new_columns[None, :, None])
                & (columns[None, None, :] >= pad[:, None, None]))          # (B, T, max_len)
     mask = visible[:, None]                                               # (B, 1, T, max_len)
-    cache = StaticStep(kv, new_columns)
-    for layer, block in enumerate(model.blocks):
-        # (2) the cache update, inside attention, as in the eager model
-        x = block(x, **block_args, cache=cache, layer=layer, mask=mask)
-    return model.head(x)
+    # (3) the cache update, inside attention, as in the eager model: StaticCache.attend
+    return model.forward_at(tokens, positions, StaticCache(kv, new_columns), mask)
 
 
 class StepProgram(torch.nn.Module):
-    """One step as the compiled library holds it: decode_step, then, given sampling
+    """One step as the compiled library holds it: static_forward, then, given sampling
     settings, the draw of each row's next token inside the graph too, so that only token
     ids come back (B,) and sampling's dozen small operations are compiled with the rest.
     The settings are fixed per program (each is a graph of its own); the draw's noise comes
@@ -135,7 +130,7 @@ class StepProgram(torch.nn.Module):
         self.greedy_too = greedy_too
 
     def forward(self, tokens, kv, length, pad, noise):
-        logits = decode_step(self.model, tokens, kv, length, pad)        # (B, T, V)
+        logits = static_forward(self.model, tokens, kv, length, pad)     # (B, T, V)
         if self.sampling is not None:
             return sample_with_noise(logits[:, -1, :self.vocab_limit], noise, **self.sampling)[:, 0]
         if self.greedy_too:

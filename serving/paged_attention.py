@@ -19,12 +19,12 @@ the C++ it generates loads each key and value straight from its block, once, and
 writes a copy.
 
 The engine's decode step is compiled whole (compiled_decode_step): the model's forward with
-the pool as its cache (PagedStep), so that the kernel, the matmuls and the small operations
-between them (LayerNorm, GELU, residuals) are one graph of generated loops instead of a
-hundred calls from Python a step; the draw of each row's next token is in the graph too
-(sample.sample_rows_with_noise, each row with its own temperature), so what comes back is
-tokens ready to hand out, not logits to sample in Python. Each of its rows is one query: a
-decode step's rows are its sequences, and a short prefill (a prefix hit's last
+the pool as its cache (PagedKernelCache), so that the kernel, the matmuls and the small
+operations between them (LayerNorm, GELU, residuals) are one graph of generated loops
+instead of a hundred calls from Python a step; the draw of each row's next token is in the
+graph too (sample.sample_rows_with_noise, each row with its own temperature), so what comes
+back is tokens ready to hand out, not logits to sample in Python. Each of its rows is one
+query: a decode step's rows are its sequences, and a short prefill (a prefix hit's last
 tokens, a short prompt) can be rows too, one per token, each reading the columns up to its
 own (decode_index.fed_rows: the causal mask, row by row). A long prefill's queries are
 better read together, each key once for all of them: it keeps the gather and SDPA.
@@ -96,11 +96,12 @@ def attention_for(kv):
     return decode_attention
 
 
-class PagedStep:
-    """What attention sees as its cache inside the compiled decode step (a kv_cache.Cache):
-    each sequence's new key and value go to its slot of the pool, then the paged kernel
+class PagedKernelCache:
+    """The pool as the cache of the compiled decode step (a kv_cache.Cache): each
+    sequence's new key and value go to its slot of the pool, then the paged kernel
     (decode_attention, or its hand-written twin) reads every column through the block
-    tables."""
+    tables where it lies. (serving/paged_cache.PagedCache, the eager steps' cache, gathers
+    the columns for SDPA instead.)"""
 
     def __init__(self, kv, read_slots, write_slots, visible, attention=decode_attention):
         self.kv, self.read_slots, self.visible = kv, read_slots, visible  # kv: the whole pool
@@ -112,7 +113,7 @@ class PagedStep:
     def attend(self, layer, q, k, v, mask):
         # k, v (B, n_kv_head, 1, hd). One index_put_ on the pool itself, not a write into the
         # view kv[layer]: in a compiled graph, a write into a view of an input becomes a copy
-        # of the whole input (generation/compiled_step.py's StaticStep says more)
+        # of the whole input (generation/compiled_step.py's StaticCache says more)
         layer_index = torch.full((1, 1), layer, device=k.device)
         new = torch.stack([k, v])[:, :, :, 0]                               # (2, B, n_kv_head, hd)
         self.kv.index_put_((layer_index, self.k_or_v, self.write_slots), new)
@@ -127,13 +128,11 @@ def decode_step(model, tokens, positions, kv, read_slots, write_slots, visible, 
     sequence's newest token and its position; kv: the pool's buffer, (n_layer, 2, slots,
     n_kv_head, hd), written in place; read_slots (B, S), write_slots (B,), visible (B, S)
     as decode_attention takes them; attention: the paged kernel (decode_attention or
-    hand_written_kernel()). The cached model's forward (KVCacheGPT's or KVCacheLlama's) with
-    the pool as its cache."""
-    x, block_args = model.embed_at(tokens, positions)                  # (B, 1, C)
-    cache = PagedStep(kv, read_slots, write_slots, visible, attention)
-    for layer, block in enumerate(model.blocks):
-        x = block(x, **block_args, cache=cache, layer=layer, mask=None)
-    logits = model.head(x)[:, -1]                                       # (B, V)
+    hand_written_kernel()). The cached forward (kv_cache.CachedModel.forward_at) with the
+    pool as its cache."""
+    cache = PagedKernelCache(kv, read_slots, write_slots, visible, attention)
+    # no mask: each row's one query sees the columns `visible` lets it see, in the kernel
+    logits = model.forward_at(tokens, positions, cache, mask=None)[:, -1]  # (B, V)
     vocab = noise.size(1)  # the tokenizer's: the embedding table may have padding rows
     return logits, sample_rows_with_noise(logits[:, :vocab], noise, temperature)
 
@@ -165,20 +164,18 @@ def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, 
     builds its step (BUILD_OPTIONS): with freezing, the weights become constants of the
     graph, laid out once for their kernel, and with max_autotune, each matmul timed at
     build time through oneDNN (its blocked layout; generation/cpu_layout.py does the same
-    for eager calls) and through inductor's own C++ template, the faster compiled in. Either
-    beats MKL, which packs the weight again on every call: oneDNN alone took the
-    GPT-2-small-shape server under 64 requests from 0.93x to 1.38x llama-server's
-    throughput; the template, which wins at the bundled model's 256-wide Linears, the
-    engine's 64-request load in process a further 1.20x, and a pass of 2 rows from 6.7 to
-    3.4 ms (docs/serving.md, round 6). The price: the graph keeps the weights it was compiled
-    with, so a model's weights must not change while an engine serves it, and each model
-    is a graph of its own (compiled again for every model, timing its matmuls: a minute
-    or more per engine in a process that makes many, hence not the default). A server
+    for eager calls) and through inductor's own C++ template (which wins at the bundled
+    model's 256-wide Linears), the faster compiled in. Either beats MKL, which packs the
+    weight again on every call (docs/serving.md measures it). The price: the graph keeps the
+    weights it was compiled with, so a model's weights must not change while an engine
+    serves it, and each model is a graph of its own (compiled again for every model, timing
+    its matmuls: a minute or more per engine in a process that makes many, hence not the
+    default). A server
     compiles two; the limit of graphs per function is raised for processes that make many
     engines. The options are read when a graph is compiled, inside the call: hence the
     patch around it (torch.compile's options= does not reach freezing). With freeze the
-    step's paged kernel is also the hand-written one (attention_for): 2.4 against 1.3 ms a
-    layer at 64 sequences of 133 tokens on the bundled model (docs/serving.md, round 8)."""
+    step's paged kernel is also the hand-written one (attention_for), which reads the pool
+    nearer the memory's speed (docs/serving.md)."""
     if freeze not in _compiled:
         _compiled[freeze] = torch.compile(frozen_decode_step if freeze else decode_step, fullgraph=True)
     for tensor in (tokens, positions, read_slots, write_slots, visible, temperature, noise):
