@@ -27,11 +27,9 @@ if __name__ == "__main__":  # run as a command; importing this file changes noth
 
 from kv_cache import CACHED_MODELS  # noqa: E402
 from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
-from serving.admission import Limits  # noqa: E402
+from serving.admission import SERVING_CONTEXT_POLICIES, Limits  # noqa: E402
 
 API_KEY_VARIABLE = "KVCACHE_API_KEY"
-# past the context: refuse (as OpenAI and vLLM do) or re-prefill as generate.py does
-SERVING_CONTEXT_POLICIES = ("error", "reprefill")
 
 
 def parse_args():

@@ -52,8 +52,9 @@ from kv_quant import dtype_name  # noqa: E402
 from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
 from plumbing.outputs import MARK, check_output_path, import_pyplot, json_text, write_atomically  # noqa: E402
 from serving.admission import Limits  # noqa: E402
-from serving.engine import Engine, SamplingParams, default_num_blocks  # noqa: E402
+from serving.engine import Engine, SamplingParams  # noqa: E402
 from serving.paged_attention import attention_for, decode_attention  # noqa: E402
+from serving.paged_cache import default_num_blocks  # noqa: E402
 
 SHAPES = {"gpt2": GPTConfig(context_len=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)}
 MODES = ("sequential", "static", "continuous", "http")
@@ -274,14 +275,14 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
     while len(engine.scheduler.running) < batch:
         engine.step()  # prefill steps: admission comes first
     seqs = engine.scheduler.decode()
-    tokens, cache = engine.prepare(seqs)
+    tokens, cache = engine.runner.prepare(seqs)
     kv, slots = engine.pool.kv, cache.read_slots.flatten()
 
     def gathered_step():
-        engine.model(tokens, engine.prepare(seqs)[1], last_only=True)
+        engine.model(tokens, engine.runner.prepare(seqs)[1], last_only=True)
 
     def compiled_step():  # its index built again each call: the same sequences, not longer
-        engine.run_compiled(seqs)
+        engine.runner.forward_compiled(seqs)
 
     def gather():
         for layer in range(kv.size(0)):

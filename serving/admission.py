@@ -23,6 +23,9 @@ before doing the work; the engine checks again, so forgetting to costs nothing.
 from dataclasses import dataclass
 
 RETRY_AFTER_S = 1  # what a 429 tells the client: the queue moves every step, try again soon
+# a prompt plus max_tokens past the model's context: refuse it (as OpenAI and vLLM do), or
+# accept it and re-prefill the newest half when the sequence gets there (scheduler.py)
+SERVING_CONTEXT_POLICIES = ("error", "reprefill")
 
 
 class RequestTooLarge(ValueError):

@@ -20,9 +20,9 @@ dense cache of one row:
     columns (generation/loop.py's, whose compiled cache grows the same way), and gathered
     again into a larger one when the request outgrows it: the step's attention reads
     every column of its cache (the unwritten ones masked), and on the bundled model a step
-    over 160 columns took 1.32 ms against 1.40 over the context's 256 (docs/serving.md,
-    round 7). One build serves every size: the library takes the column count as a
-    variable (compile_for's max_columns);
+    over 160 columns took 1.32 ms against 1.40 over the context's 256 (docs/serving.md).
+    One build serves every size: the library takes the column count as a variable
+    (compile_for's max_columns);
   - each step: the compiled step writes the new key and value into the dense cache, and
     the same column is copied to the request's slot in the pool (unless the pool holds it
     already: a prompt found whole in the prefix cache), so the pool always holds

@@ -35,8 +35,31 @@ from collections import OrderedDict
 import torch
 
 from kv_cache import Cache
+from kv_quant import cache_bytes
 
 NULL_BLOCK = 0  # never given to a sequence: padding columns read it, dropped writes land in it
+DEFAULT_POOL_BYTES = 1 << 30
+
+
+def default_num_blocks(config, tokens_per_block, max_batch, kv_dtype):
+    """Room for max_batch sequences at the full context, or DEFAULT_POOL_BYTES (1 GiB),
+    whichever is less. The pool is a ceiling: what a sequence holds follows its real
+    length, so a pool a fraction of max_batch full contexts still runs max_batch
+    sequences of ordinary length (and preempts when they grow too long), and blocks
+    nobody holds keep their contents for prefix hits."""
+    block_bytes = cache_bytes(config, tokens_per_block, 1, kv_dtype)
+    per_context = -(-config.context_len // tokens_per_block)
+    return max(min(max_batch * per_context, DEFAULT_POOL_BYTES // block_bytes), per_context)
+
+
+def check_pool_fits(config, num_blocks, tokens_per_block, kv_dtype):
+    """Refuse, before allocating it, a pool larger than the memory left (ValueError)."""
+    from plumbing.validation import available_memory, format_bytes  # the loaders' memory rule
+    needed = cache_bytes(config, (num_blocks + 1) * tokens_per_block, 1, kv_dtype)  # + the null block
+    available = available_memory()
+    if needed > available:
+        raise ValueError(f"a pool of {num_blocks:,} blocks of {tokens_per_block:,} positions would "
+                         f"need {format_bytes(needed)} of memory; {format_bytes(available)} is available")
 
 
 class BlockPool:
@@ -138,18 +161,6 @@ class BlockPool:
             self.ref_count[block] -= 1
             if self.ref_count[block] == 0:
                 self.free[block] = None
-
-    def forget_contents(self, block):
-        """The sequence holding block is about to write over part of it (a rollback cut into
-        it): it leaves the prefix index, whose hash no longer says what it holds. False, and
-        nothing changed, when other sequences hold it too: they still need its contents."""
-        if self.ref_count[block] > 1:
-            return False
-        old = self.block_hash[block]
-        if old is not None and self.cached.get(old) == block:
-            del self.cached[old]
-        self.block_hash[block] = None
-        return True
 
     def forget_prefixes(self):
         """Drop the prefix index (after a failed step, whose blocks may hold garbage)."""

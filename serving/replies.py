@@ -1,6 +1,6 @@
 """
-Replies: the engine's outputs for one HTTP request, in OpenAI's shapes (server.py reads
-the request and starts the engine's work; this file answers it).
+Replies: the engine's outputs for one HTTP request, in OpenAI's shapes (request_parsing.py
+reads the request, server.py starts the engine's work; this file answers it).
 
 One request is several engine requests, its choices (prompts x n). Their outputs arrive
 on an asyncio.Queue, in any order; a Reply gathers them and answers either at the end

@@ -169,32 +169,6 @@ class Scheduler:
         seq.state = WAITING
         self.waiting.appendleft(seq)
 
-    def rollback(self, seq, length):
-        """seq forgets its context from position `length` on, tokens and keys (speculative
-        decoding's rejected proposals; the engine does not speculate yet, and would roll
-        proposals back before handing them out, so no token a client received, nor its
-        log-probability, is taken back). Never the prompt: echo and the generated count read
-        tokens[:prompt_len]. The blocks past the new end go back to the pool whole (a full
-        one keeps its prefix hash: its keys are still right for the tokens it was computed
-        for, and a later request may hit it). The block the cut falls in will be written
-        again, so it leaves the prefix index; if other sequences share it, seq lets go of it
-        instead and computes the positions it kept from it again in its next pass, as after
-        a preemption."""
-        prompt_in_context = max(1, seq.prompt_len - seq.start)
-        if not prompt_in_context <= length <= seq.context_len:
-            raise ValueError(f"rollback to {length} positions: the sequence holds {seq.context_len}, "
-                             f"{prompt_in_context} of them its prompt's")
-        tpb = self.pool.tokens_per_block
-        kept = self.pool.blocks_for(length)
-        self.pool.release(seq.blocks[kept:])
-        del seq.blocks[kept:]
-        del seq.hashes[length // tpb:]
-        if length % tpb and not self.pool.forget_contents(seq.blocks[-1]):
-            self.pool.release(seq.blocks[-1:])
-            del seq.blocks[-1]
-        del seq.tokens[seq.start + length:]
-        seq.num_cached = min(seq.num_cached, len(seq.blocks) * tpb, length)
-
     def finish(self, seq):
         """A sequence leaves (done, or cancelled) wherever it is; its blocks go back."""
         if seq.state == WAITING:

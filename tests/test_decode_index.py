@@ -31,7 +31,7 @@ def test_the_kept_index_equals_one_built_from_the_block_tables(model):
     at every decode step, every tensor equal to a fresh build's. (The last two end
     together: a batch of one would compile a graph of its own, seconds more.)"""
     engine = Engine(model, TOKENIZER, tokens_per_block=4)
-    kept_update = engine.index.update
+    kept_update = engine.runner.index.update
     checked = []
 
     def update(batch):
@@ -41,7 +41,7 @@ def test_the_kept_index_equals_one_built_from_the_block_tables(model):
             assert a.shape == b.shape and torch.equal(a, b)
         checked.append(len(batch))
         return kept
-    engine.index.update = update
+    engine.runner.index.update = update
     prompts = random_prompts([5, 13, 2, 21], seed=1)
     prompts.append(prompts[1][:8] + [7, 7])  # its first 8 tokens (two blocks) found cached
     for prompt, n in zip(prompts, [9, 20, 14, 6, 20]):
@@ -49,8 +49,8 @@ def test_the_kept_index_equals_one_built_from_the_block_tables(model):
     engine.run_until_done()
     assert sorted(set(checked)) == [2, 3, 4, 5]  # the batch shrank as requests ended
     changes = sum(a != b for a, b in zip(checked, checked[1:]))
-    assert engine.index.rebuilds == 1 + changes  # built once per batch, then extended
-    assert engine.index.extensions == len(checked) - engine.index.rebuilds > 10
+    assert engine.runner.index.rebuilds == 1 + changes  # built once per batch, then extended
+    assert engine.runner.index.extensions == len(checked) - engine.runner.index.rebuilds > 10
 
 
 def run(engine, prompts, params):

@@ -10,7 +10,8 @@ import sys
 from conftest import ROOT
 
 LESSON = ["base_model", "kv_cache", "sample", "kv_quant", "weight_quant", "generation.loop",
-          "generation.compiled_step", "serving.engine", "serving.server"]
+          "generation.compiled_step", "serving.requests", "serving.model_runner", "serving.engine",
+          "serving.request_parsing", "serving.server"]
 
 
 def test_importing_the_lesson_loads_no_command_line_and_changes_nothing():

@@ -71,7 +71,7 @@ def test_a_lone_request_decodes_through_the_compiled_step(model, builds):
     # itself), and a pass feeding only the found window's last token is the lone step's too
     assert engine.scheduler.cached_tokens == 2 * 31  # found, but the last token is computed again
     prefills = 2
-    assert engine.lone_steps == 150 - prefills
+    assert engine.runner.lone_steps == 150 - prefills
     assert lone == pytest.approx(plain, abs=1e-5)
     assert len(engine.pool.free) == engine.pool.num_blocks
 
@@ -88,10 +88,10 @@ def test_the_lone_steps_cache_grows_with_the_request(builds):
     sizes = set()
 
     def note_size(engine):  # the dense cache's columns while it holds the request
-        if engine.lone.holds is not None:
-            sizes.add(engine.lone.cache.max_len)
+        if engine.runner.lone.holds is not None:
+            sizes.add(engine.runner.lone.cache.max_len)
     request, (plain, lone), engine = both_ways(model, prompt, 150, note_size)
-    assert sizes == {64, 128, 160} and engine.lone_steps == 149
+    assert sizes == {64, 128, 160} and engine.runner.lone_steps == 149
     assert generated(request) == alone(model, prompt, 150, temperature=0)
     assert lone == pytest.approx(plain, abs=1e-5)
 
@@ -107,7 +107,7 @@ def test_a_lone_request_that_samples_is_drawn_not_handed_the_greedy_token(model,
     request = engine.add_request(prompt, SamplingParams(max_tokens=30, temperature=2.0, stop_at_eot=False),
                                  lambda request, output: None)
     engine.run_until_done()
-    assert engine.lone_steps == 29
+    assert engine.runner.lone_steps == 29
     with torch.no_grad():
         logits = model(torch.tensor([request.tokens[:-1]]))[0][0, :, :TOKENIZER.n_vocab]  # (T - 1, V)
     picks = logits.argmax(-1)[len(prompt):].tolist()  # the greedy pick after each context
@@ -125,7 +125,7 @@ def test_requests_joining_and_leaving_a_lone_one_change_nothing(model, builds):
                   for e in (engine, plain))
     for _ in range(10):  # the prefill, then 9 tokens alone
         engine.step(), plain.step()
-    assert engine.lone_steps == 9
+    assert engine.runner.lone_steps == 9
     # every column the lone step wrote is in the pool, as the engine's own step writes it
     # (1e-5: the same arithmetic in another order)
     torch.testing.assert_close(pool_columns(engine, a), pool_columns(plain, plain_a), rtol=0, atol=1e-5)
@@ -133,10 +133,10 @@ def test_requests_joining_and_leaving_a_lone_one_change_nothing(model, builds):
     # b's prefill (a prefill pass: a waits), then 11 steps decoding both: no lone step
     for _ in range(12):
         engine.step()
-    assert engine.lone_steps == 9 and b.finish_reason == "length"
+    assert engine.runner.lone_steps == 9 and b.finish_reason == "length"
     engine.run_until_done()  # a alone again: its cache reloaded from the pool
     plain.run_until_done()
-    assert engine.lone_steps == 9 + (40 - 1 - 9 - 11)
+    assert engine.runner.lone_steps == 9 + (40 - 1 - 9 - 11)
     assert generated(a) == alone(model, first, 40, temperature=0)
     assert generated(b) == alone(model, second, 12, temperature=0)
     assert logprobs[engine] == pytest.approx(logprobs[plain], abs=1e-5)
@@ -165,7 +165,7 @@ def test_a_prompt_found_whole_in_the_prefix_cache_goes_through_the_lone_step(mod
     prompt = prompt_of(16, seed=8)
     engine.add_request(prompt, SamplingParams(max_tokens=5, **GREEDY))
     engine.run_until_done()
-    steps_before = engine.lone_steps  # the first request's 4 decode steps
+    steps_before = engine.runner.lone_steps  # the first request's 4 decode steps
     b = engine.add_request(prompt, SamplingParams(max_tokens=5, **GREEDY))
     before = engine.pool.kv.clone()
     engine.step()  # b's first pass: its whole prompt was found
@@ -173,7 +173,7 @@ def test_a_prompt_found_whole_in_the_prefix_cache_goes_through_the_lone_step(mod
     slots = [b.blocks[p // tpb] * tpb + p % tpb for p in range(16)]
     engine.run_until_done()
     assert engine.scheduler.cached_tokens == 15  # found; the last token is computed again
-    assert engine.lone_steps == steps_before + 5  # the found prompt's pass, then 4 decode steps
+    assert engine.runner.lone_steps == steps_before + 5  # the found prompt's pass, then 4 decode steps
     assert generated(b) == alone(model, prompt, 5, temperature=0)
     assert torch.equal(engine.pool.kv[:, :, slots], before[:, :, slots])
 
@@ -191,7 +191,7 @@ def test_log_probabilities_and_seeded_samples_as_the_engines_own_step(model, bui
         for p in params:  # one at a time, so each decodes alone
             engine.add_request(prompt, p, lambda request, out: outputs[request.params].append(out))
             engine.run_until_done()
-        assert engine.lone_steps == (2 * 19 if compile else 0)
+        assert engine.runner.lone_steps == (2 * 19 if compile else 0)
         results.append(outputs)
     for p in params:
         plain, lone = results[0][p], results[1][p]
@@ -215,7 +215,7 @@ def test_a_lone_request_never_reads_the_previous_ones_cache(model, builds):
                            lambda request, output: outputs.append(output.logprob.logprob))
         engine.run_until_done()
         logprobs.append(outputs)
-    assert engine.lone_steps == 2 * 9
+    assert engine.runner.lone_steps == 2 * 9
     assert logprobs[1] == pytest.approx(logprobs[0], abs=1e-5)
 
 
@@ -236,7 +236,7 @@ def test_a_lone_client_of_the_server_is_served_by_the_compiled_step(model, build
         engine.stop()
     ids = TOKENIZER.encode_ordinary(prompt)
     assert text == TOKENIZER.decode(alone(model, ids, 20, temperature=0))
-    assert engine.lone_steps == 19
+    assert engine.runner.lone_steps == 19
 
 
 def test_with_compile_the_batch_step_has_the_weights_frozen_in_and_the_same_tokens(builds):
@@ -281,7 +281,7 @@ def test_with_compile_short_prefills_go_through_the_compiled_step_as_rows(model,
                 engine.add_request(prompt, SamplingParams(max_tokens=6, logprobs=0, **GREEDY),
                                    lambda request, out: outputs.setdefault(request.prompt_len, []).append(out))
             engine.run_until_done()
-            passes.append(engine.compiled_prefills)
+            passes.append(engine.runner.compiled_prefills)
         runs.append(outputs)
     assert passes == [0, 1, 2]  # the long prompt eagerly; the hit; the pair in one pass
     assert engine.scheduler.cached_tokens == 24

@@ -16,8 +16,8 @@ import torch
 from base_model import GPTConfig
 from conftest import byte_tokenizer, random_prompts, tiny_model
 from generation.loop import generate_tokens
-from serving.engine import Engine, SamplingParams, default_num_blocks
-from serving.paged_cache import BlockPool
+from serving.engine import Engine, SamplingParams
+from serving.paged_cache import BlockPool, default_num_blocks
 
 CONFIG = GPTConfig(context_len=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
 TOKENIZER = byte_tokenizer()
@@ -178,14 +178,14 @@ def test_a_failed_step_ends_what_was_in_flight_and_the_engine_goes_on(model, mon
     engine.start()
     try:
         broken = threading.Event()
-        real_forward = engine.forward
+        real_forward = engine.runner.forward
 
         def forward_once_broken(batch):
             if not broken.is_set():
                 broken.set()
                 raise RuntimeError("out of memory (simulated)")
             return real_forward(batch)
-        monkeypatch.setattr(engine, "forward", forward_once_broken)
+        monkeypatch.setattr(engine.runner, "forward", forward_once_broken)
         ended = threading.Event()
         first = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5, **GREEDY),
                                    lambda r, out: out.finish_reason and ended.set())

@@ -24,13 +24,12 @@ import pytest
 import torch
 
 from base_model import GPTConfig
-from conftest import byte_tokenizer, random_prompts, run_script, tiny_model
+from conftest import random_prompts, run_script, tiny_model
 from generation import loop, speculative
 from generation.loop import Generation, GenerationStats, generate_tokens, left_pad
 from generation.speculative import DraftModel, PromptLookup
 from plumbing.checkpoint import BUNDLED
 from sample import probabilities
-from serving.engine import Engine, SamplingParams
 
 ATOL = 1e-4
 CONFIG = GPTConfig(context_len=64, vocab_size=260, n_layer=2, n_head=4, n_embd=32)
@@ -245,42 +244,6 @@ def test_rollback_refuses_to_keep_what_a_row_does_not_hold(model):
         cache.rollback(torch.tensor([4, 3]))  # row 1 holds 2 positions
     cache.rollback(torch.tensor([0, 2]))       # forgetting everything is allowed
     assert cache.length == 4 and cache.pad.tolist() == [4, 2]
-
-
-def test_paged_rollback_frees_whole_blocks_and_decoding_goes_on_the_same(model):
-    """The serving pool: a sequence rolled back gives its blocks past the new end back,
-    and decoding from there gives the tokens it would have given (greedy). A cut inside a
-    block another sequence shares (its prompt is the first one's text so far: the prefix
-    cache hands it the blocks generated text filled) lets go of that block instead of
-    writing into it. The prompt is never rolled back: echo and the counts read it."""
-    tokenizer = byte_tokenizer()
-    greedy = SamplingParams(max_tokens=40, temperature=0, stop_at_eot=False)
-    prompt = random_prompts([20], seed=8)[0]
-
-    def alone(prompt, n):
-        return prompt + generate_tokens(model, [prompt], n, temperature=0,
-                                        vocab_limit=tokenizer.n_vocab)[0].tolist()
-
-    engine = Engine(model, tokenizer, tokens_per_block=8)
-    request = engine.add_request(prompt, greedy)
-    for _ in range(20):  # prefill, then 19 decode steps: 39 positions cached, 5 blocks
-        engine.step()
-    scheduler, pool = engine.scheduler, engine.pool
-    twin = engine.add_request(request.tokens[:34], greedy)
-    engine.step()  # admits the twin: the 4 full blocks of its prompt are the request's
-    assert len(request.blocks) == 5 and twin.blocks[:4] == request.blocks[:4]
-    with pytest.raises(ValueError, match="its prompt's"):
-        scheduler.rollback(request, 19)
-    free = len(pool.free)
-    scheduler.rollback(request, 36)  # keeps blocks 0-4 (positions 0-35): nothing freed
-    assert len(request.blocks) == 5 and len(pool.free) == free
-    scheduler.rollback(request, 30)  # a cut in shared block 3: it lets go of it and the 5th
-    assert len(request.blocks) == 3 and request.num_cached == 24 and len(pool.free) == free + 1
-    assert twin.blocks[:3] == request.blocks and pool.ref_count[twin.blocks[3]] == 1  # the twin's alone now
-    engine.run_until_done()
-    assert request.tokens == alone(prompt, 40)
-    assert twin.tokens == alone(twin.tokens[:34], 40)
-    assert len(pool.free) == pool.num_blocks and not any(pool.ref_count)
 
 
 # ---------------------------------------------------------------------------- the command
