@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from plumbing.checkpoint import build_model, clean_state_dict, describe, read_checkpoint, split_checkpoint
+from plumbing.checkpoint import build_model, check_tensors, clean_state_dict, describe, split_checkpoint
+from plumbing.files import PYTHON_OBJECTS_PER_FILE_BYTE, check_file_fits, read_checkpoint, read_json
 from plumbing.hf_llama import LLAMA_MODEL_TYPES, llama_config, llama_tokenizer
 from plumbing.hf_tokenizer import byte_to_char
-from plumbing.validation import (EOT, PYTHON_OBJECTS_PER_FILE_BYTE, CheckpointError, build_encoding,
-                        check_file_fits, check_tensors, config_from_dict, named_encoding, read_json,
-                        short_repr)
+from plumbing.model_config import config_from_dict
+from plumbing.script import CheckpointError, short_repr
+from plumbing.tokenizer import EOT, build_encoding, named_encoding
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Both are GELU's tanh approximation, which is what base_model.MLP computes.

@@ -20,8 +20,9 @@ Special tokens decode as their text. A decoder of any other kind is refused in o
 import json
 import re
 
-from plumbing.validation import (PYTHON_OBJECTS_PER_FILE_BYTE, ROUND_TRIP_SAMPLE, CheckpointError,
-                                 check_file_fits, short_repr)
+from plumbing.files import PYTHON_OBJECTS_PER_FILE_BYTE, check_file_fits
+from plumbing.script import CheckpointError, short_repr
+from plumbing.tokenizer import check_round_trip
 
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 SENTENCEPIECE_SPACE = "\u2581"  # '▁'
@@ -186,7 +187,8 @@ def read_tokenizer(path, special_ids, tokenizer_config):
         raise CheckpointError(f"{path}: the tokenizer has no beginning- or end-of-text token "
                               "(bos_token, eos_token): a text cannot be started or ended")
     encoding = HFTokenizer(tokenizer, path.name, table, bos if adds_bos else None, eot, eos_ids)
-    check_round_trip(encoding, file)
+    check_round_trip(encoding, file, "a normalizer that changes text, or tokens the decoder cannot write",
+                     allow_dummy_prefix=True)
     return encoding
 
 
@@ -195,13 +197,3 @@ def adds_leading_token(tokenizer, bos):
     template does; tokenizer_config.json's add_bos_token, when there is one, decides)."""
     with_specials = tokenizer.encode("a", add_special_tokens=True).ids
     return bos is not None and with_specials[:1] == [bos] != tokenizer.encode("a", add_special_tokens=False).ids[:1]
-
-
-def check_round_trip(encoding, source):
-    """Every sample text must come back from encode_ordinary, then decode: any script, any
-    whitespace, emoji, control characters. A SentencePiece tokenizer puts a space before
-    a text (its 'dummy prefix'); that space is what the model reads, and is allowed for."""
-    prefix = encoding.decode(encoding.encode_ordinary("a"))[:-1]
-    if prefix not in ("", " ") or encoding.decode(encoding.encode_ordinary(ROUND_TRIP_SAMPLE)) != prefix + ROUND_TRIP_SAMPLE:
-        raise CheckpointError(f"{source}: the tokenizer does not give back the text it encodes "
-                              "(a normalizer that changes text, or tokens the decoder cannot write)")

@@ -17,7 +17,7 @@ Two inputs break tiktoken's encode_ordinary:
 
 For the second, text with a whitespace run of SAFE_RUN characters or more is split here
 into the same pieces tiktoken's regular expression would make, with `regex` (the dialect
-tiktoken's patterns are written in; validation.check_pattern tests every pattern with it),
+tiktoken's patterns are written in; plumbing/tokenizer.py tests every pattern with it),
 and each piece goes through tiktoken's byte-pair merges alone, which is exactly what
 tiktoken does after its own split: the same ids, at any length. Other text, every prompt a
 person writes, goes to tiktoken whole (faster). tests/test_user_text.py checks the two

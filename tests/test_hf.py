@@ -18,9 +18,9 @@ import sys
 import pytest
 import torch
 
-from plumbing.checkpoint import BUNDLED, CheckpointError, load_model, save_checkpoint
+from plumbing.checkpoint import BUNDLED, load_model, save_checkpoint
 from conftest import ROOT, TINY_CONFIGS, byte_tokenizer_spec, run_script, tiny_model
-from plumbing.script import UserError
+from plumbing.script import CheckpointError, UserError
 from export_hf import export
 from plumbing.hf import load_hf_model
 from generation.loop import generate_tokens
