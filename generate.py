@@ -261,7 +261,7 @@ def generate(args, prompts, model, tokenizer, device, proposer):
         sample.finish()  # max_new_tokens reached: show what is held back for stop strings
 
     report = stats_report(model, args, loop_args["stats"], ids, samples,
-                              steps, decoded, t_end - t_start, t_first and t_first - t_start, proposer)
+                          steps, decoded, t_end - t_start, t_first and t_first - t_start, proposer)
     if args.json:
         out = {"prompts": prompts, "texts": [s.text for s in samples], "stats": report}
         if len(prompts) == 1:

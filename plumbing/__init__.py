@@ -11,6 +11,7 @@ The plumbing around the lesson: what the commands need and the lesson's modules
     model_config.py a model config from data (ours, nanoGPT's, inferred, HF's), every field checked
     tokenizer.py    tiktoken tokenizers (a checkpoint's, tiktoken's named ones), checked as built
     hf.py           reading a Hugging Face directory (and the helpers export_hf.py shares)
+    hf_bpe.py       a GPT-2 directory's vocab.json + merges.txt (or tokenizer.json) as tiktoken
     hf_llama.py     a Llama, Mistral, Qwen2 or Qwen3 config.json, and its special tokens
     hf_tokenizer.py tokenizer.json as the part of a tiktoken Encoding our code uses
     outputs.py      files we write: checked before the work, written atomically, ours only

@@ -13,7 +13,7 @@ Two inputs break tiktoken's encode_ordinary:
     expression before its byte-pair merges, and GPT-2's `\\s+(?!\\S)` (whitespace not followed
     by a non-space) steps back over the whole run to find where it ends; the Rust engine
     (fancy-regex) gives up after a million steps and tiktoken panics (PanicException, not
-    even an Exception: the server dropped the connection, the commands printed a traceback).
+    even an Exception: it would drop the server's connection and end a command in a traceback).
 
 For the second, text with a whitespace run of SAFE_RUN characters or more is split here
 into the same pieces tiktoken's regular expression would make, with `regex` (the dialect

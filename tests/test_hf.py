@@ -61,8 +61,8 @@ def quiet(*_):
 
 def gpt2_byte_chars():
     """GPT-2's byte -> character table written out from its definition (independently of
-    plumbing.hf.byte_to_char): the printable ranges keep their characters, in this order, and
-    the other 68 bytes become chr(256), chr(257), ... in byte order."""
+    plumbing.hf_tokenizer.byte_to_char): the printable ranges keep their characters, in this
+    order, and the other 68 bytes become chr(256), chr(257), ... in byte order."""
     kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
             *range(ord("®"), ord("ÿ") + 1)]
     moved = [b for b in range(256) if b not in kept]

@@ -20,7 +20,7 @@ from kv_cache import CACHED_MODELS
 from plumbing import memory
 from plumbing.checkpoint import NAIVE_MODELS, build_model, check_values, load_model
 from plumbing.files import read_checkpoint
-from plumbing.hf import encoding_from_bpe, parse_tokenizer_json
+from plumbing.hf_bpe import encoding_from_bpe, parse_tokenizer_json
 from plumbing.model_config import SHAPE_FIELDS, config_from_dict
 from plumbing.script import CheckpointError
 from plumbing.tokenizer import ROUND_TRIP_SAMPLE, encoding_from_spec
@@ -292,7 +292,7 @@ def test_good_spec_round_trips_everything():
 # ---------------------------------------------------------------------------- HF tokenizer files
 
 def char(b):
-    from plumbing.hf import byte_to_char
+    from plumbing.hf_tokenizer import byte_to_char
     return byte_to_char()[b]
 
 
