@@ -22,7 +22,7 @@ import re
 
 from plumbing.files import PYTHON_OBJECTS_PER_FILE_BYTE, check_file_fits
 from plumbing.script import CheckpointError, short_repr
-from plumbing.tokenizer import check_round_trip
+from plumbing.tokenizer import check_contiguous, check_round_trip
 
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 SENTENCEPIECE_SPACE = "\u2581"  # '▁'
@@ -93,11 +93,8 @@ def token_bytes_table(tokenizer, decoder, source):
     by_id = {}
     for text, i in vocab.items():
         by_id.setdefault(i, text)
-    n_vocab = max(by_id) + 1
-    gap = next((i for i in range(n_vocab) if i not in by_id), None)
-    if gap is not None:
-        raise CheckpointError(f"{source}: the tokenizer has no token with id {gap} but ids up to "
-                              f"{n_vocab - 1}; ids must run 0..n-1 so that every id decodes")
+    check_contiguous(by_id, source)
+    n_vocab = len(by_id)
     kind = decoder_kind(decoder, source)
     to_byte = {c: b for b, c in byte_to_char().items()}
     table = []

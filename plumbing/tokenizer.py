@@ -73,14 +73,14 @@ def check_special_tokens(special_tokens, n_ranks, source):
                               f"special tokens (e.g. {EOT!r}: {n_ranks})")
 
 
-def check_contiguous(ranks, special_tokens, source):
-    """Every id below n_vocab must decode: the model may emit any of them, and tiktoken
-    raises on an id that has no token."""
-    ids = sorted([*ranks.values(), *special_tokens.values()])
-    gap = next((i for i, token_id in enumerate(ids) if token_id != i), None)
+def check_contiguous(ids, source):
+    """Every id below n_vocab must decode: the model may emit any of them, and a tokenizer
+    raises on an id that has no token. ids: the tokenizer's ids (ordinary and special)."""
+    ids = set(ids)
+    gap = next((i for i in range(len(ids)) if i not in ids), None)
     if gap is not None:
         raise CheckpointError(f"{source}: the tokenizer has no token with id {gap} but ids up to "
-                              f"{ids[-1]}; ids must run 0..n-1 so that every id decodes")
+                              f"{max(ids)}; ids must run 0..n-1 so that every id decodes")
 
 
 def build_encoding(name, pat_str, ranks, special_tokens, source):
@@ -93,7 +93,7 @@ def build_encoding(name, pat_str, ranks, special_tokens, source):
         raise CheckpointError(f"{source}: the tokenizer has no token for byte {missing_byte}, "
                               "so it cannot encode every text")
     check_special_tokens(special_tokens, len(ranks), source)
-    check_contiguous(ranks, special_tokens, source)
+    check_contiguous([*ranks.values(), *special_tokens.values()], source)
     check_pattern(pat_str, source)
     try:
         encoding = tiktoken.Encoding(name=name, pat_str=pat_str, mergeable_ranks=ranks,
@@ -162,5 +162,5 @@ def named_encoding(name, source):
             f"{source}: needs tiktoken encoding '{name}', which could not be loaded offline ({cause}); "
             "copy tiktoken's cache for it to a folder and set TIKTOKEN_CACHE_DIR to that folder") from None
     check_special_tokens(encoding._special_tokens, len(encoding._mergeable_ranks), source)
-    check_contiguous(encoding._mergeable_ranks, encoding._special_tokens, source)
+    check_contiguous([*encoding._mergeable_ranks.values(), *encoding._special_tokens.values()], source)
     return encoding
