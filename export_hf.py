@@ -29,7 +29,9 @@ import torch  # noqa: E402
 
 from plumbing.checkpoint import NAIVE_MODELS, load_model  # noqa: E402
 from plumbing.cli import ArgumentParser  # noqa: E402
-from plumbing.hf import GPT2_PATTERNS, byte_to_char, swap_conv1d  # noqa: E402
+from plumbing.hf import swap_conv1d  # noqa: E402
+from plumbing.hf_bpe import GPT2_PATTERNS  # noqa: E402
+from plumbing.hf_tokenizer import byte_to_char  # noqa: E402
 from plumbing.outputs import check_output_path, new_directory  # noqa: E402
 
 

@@ -19,11 +19,11 @@ This file is the command: it drives the generation loop (generation/loop.py: pre
 decode one token at a time, sample), turns its tokens into text and decides when each row
 stops. With --no-cache it drives the naive loop, base_model.GPT.stream, instead. Several
 prompts are generated as one batch (left-padded: kv_cache.py explains why the positions
-restart in every row); the output keeps their order, one section per prompt.
+restart in every row); the output keeps their order, one section per prompt. --score
+reads a text through the model instead (plumbing/scoring.py); --stats and --json report
+what the run did (plumbing/stats_report.py).
 """
 
-import json
-import math
 import sys
 import time
 
@@ -33,20 +33,22 @@ if __name__ == "__main__":  # run as a command; importing this file changes noth
     begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from generation.loop import (CONTEXT_POLICIES, DEFAULT_SINKS, Generation, GenerationStats,  # noqa: E402
                              check_context_policy)
 from generation.speculative import DraftModel  # noqa: E402
 from kv_cache import CACHED_MODELS  # noqa: E402
-from kv_quant import KV_DTYPES, cache_formula, dtype_name  # noqa: E402
+from kv_quant import KV_DTYPES, dtype_name  # noqa: E402
 from plumbing.checkpoint import NAIVE_MODELS  # noqa: E402
 from plumbing.cli import (ArgumentParser, add_model_args, add_speculation_args,  # noqa: E402
                           check_speculation_args, load_from_args, positive_int, proposer_from_args)
+from plumbing.memory import check_fits_in_memory, generation_memory  # noqa: E402
 from plumbing.outputs import json_text  # noqa: E402
+from plumbing.scoring import score  # noqa: E402
+from plumbing.stats_report import print_stats, stats_report  # noqa: E402
+from plumbing.text_input import encode_user_text, parse_prompts_file, read_text  # noqa: E402
 from plumbing.text_stream import SampleText  # noqa: E402
-from plumbing.user_text import TextError, as_prompt, check_text, encode_text  # noqa: E402
-from plumbing.validation import check_fits_in_memory, generation_memory, max_text_bytes  # noqa: E402
+from plumbing.user_text import as_prompt  # noqa: E402
 from sample import check_sampling_args  # noqa: E402
 
 
@@ -143,33 +145,6 @@ def refuse_generation_flags(p, args):
                     "and generates nothing: drop one of them")
 
 
-def read_text(path, what):
-    """The contents of a UTF-8 text file, or one UserError line saying why not. No more is
-    read than memory can tokenize: /dev/zero, say, never ends."""
-    limit = max_text_bytes()
-    if path == "":
-        raise UserError(f"{what}: empty path given (an unset shell variable?)")
-    if path == "-":
-        if sys.stdin is None:  # started with <&-
-            raise UserError(f"{what} -: standard input is closed")
-        data = sys.stdin.buffer.read(limit + 1)
-    else:
-        try:
-            with open(path, "rb") as f:
-                data = f.read(limit + 1)
-        except IsADirectoryError:
-            raise UserError(f"{what} {path}: is a directory, expected a text file") from None
-        except OSError as e:
-            raise UserError(f"{what} {path}: cannot read it ({e.strerror})") from None
-    if len(data) > limit:
-        raise UserError(f"{what} {path}: more than {limit:,} bytes, more text than this "
-                        "machine's memory can tokenize")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{what} {path}: not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
-
-
 class Printer:
     """Writes every row to stdout, in order, as its prompt + continuation. The first streams
     live while the batch decodes; a later one catches up when the one before it is done.
@@ -222,35 +197,6 @@ def read_prompts(args):
     return [read_text("-", "--prompt") if p == "-" else p for p in args.prompt or [""]]
 
 
-def parse_prompts_file(text, path):
-    """JSON Lines: per line a JSON string, or an object with a "prompt" string (so other
-    fields may ride along). Lines end at "\\n" only, as JSON Lines says (splitlines() would
-    also cut at U+2028, U+0085 or a vertical tab, which a JSON string may hold); blank
-    lines are skipped; a JSON string may hold newlines as \\n."""
-    prompts = []
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"--prompts-file {path}: line {number}"
-        try:
-            item = json.loads(line)
-        except ValueError as e:
-            raise UserError(f"{where}: not JSON ({getattr(e, 'msg', e)})") from None
-        except RecursionError:
-            raise UserError(f"{where}: nested too deeply to be a prompt") from None
-        prompt = item.get("prompt") if isinstance(item, dict) else item
-        if not isinstance(prompt, str):
-            raise UserError(f"{where}: expected a JSON string or an object with a \"prompt\" string")
-        try:
-            check_text(prompt)
-        except TextError as e:
-            raise UserError(f"{where}: {e}") from None
-        prompts.append(prompt)
-    if not prompts:
-        raise UserError(f"--prompts-file {path}: no prompts in it")
-    return prompts
-
-
 def encode_prompt(text, tokenizer, context_len):
     """Token ids of the prompt (user_text.as_prompt: an empty one starts from the
     end-of-text token, a Llama tokenizer's begin with its BOS)."""
@@ -259,13 +205,6 @@ def encode_prompt(text, tokenizer, context_len):
         print(f"note: the prompt has {len(ids)} tokens and the context {context_len}; "
               f"keeping its last {context_len}", file=sys.stderr)
     return ids
-
-
-def encode_user_text(tokenizer, text, what):
-    try:
-        return encode_text(tokenizer, text)
-    except TextError as e:
-        raise UserError(f"{what}: {e}") from None
 
 
 def generate(args, prompts, model, tokenizer, device, proposer):
@@ -321,8 +260,8 @@ def generate(args, prompts, model, tokenizer, device, proposer):
     for sample in samples:
         sample.finish()  # max_new_tokens reached: show what is held back for stop strings
 
-    report = generation_stats(model, args, loop_args["stats"], ids, samples,
-                              steps, decoded, t_end - t_start, t_first and t_first - t_start, proposer)
+    report = stats_report(model, args, loop_args["stats"], ids, samples,
+                          steps, decoded, t_end - t_start, t_first and t_first - t_start, proposer)
     if args.json:
         out = {"prompts": prompts, "texts": [s.text for s in samples], "stats": report}
         if len(prompts) == 1:
@@ -332,141 +271,6 @@ def generate(args, prompts, model, tokenizer, device, proposer):
         printer.update()
     if args.stats:
         print_stats(report)
-
-
-def generation_stats(model, args, stats, ids, samples, steps, decoded, seconds, first_token_seconds,
-                     proposer=None):
-    rows = len(samples)
-    decode_seconds = seconds - first_token_seconds if first_token_seconds is not None else 0.0
-    report = {
-        "prompt_tokens": [min(len(i), model.config.context_len) for i in ids],
-        "new_tokens": [s.tokens for s in samples],
-        "decode_steps": steps,
-        "prefill_seconds": None if args.no_cache else stats.prefill_seconds,
-        "compile_seconds": stats.compile_seconds if args.compile else None,
-        "time_to_first_token_seconds": first_token_seconds,
-        "decode_tokens_per_second": decoded / decode_seconds if decoded else None,
-        "forward_passes": stats.forward_passes,
-        "prefill_passes": stats.prefill_passes,
-        "positions_processed": stats.positions_processed,
-        "speculative": proposer and {
-            "speculate": args.speculate, "proposer": proposer.describe(),
-            "proposed": stats.proposed, "accepted": stats.accepted,
-            "acceptance_rate": stats.accepted / stats.proposed if stats.proposed else None,
-            "verify_passes": stats.verify_passes, "draft_forward_passes": stats.draft_passes},
-    }
-    if not args.no_cache:  # the naive loop keeps no cache
-        kv_dtype = args.kv_dtype or dtype_name(model.lm_head.weight.dtype)
-        nbytes, formula = cache_formula(model.config, stats.cache_positions, rows, kv_dtype)
-        report.update(
-            cache_positions=stats.cache_positions,
-            cache_bytes_formula=nbytes,
-            cache_bytes_allocated=stats.cache_bytes,
-            cache_formula=formula,
-            context_policy=args.context_policy,
-            reprefills=stats.reprefills,
-            evictions=stats.evictions)
-    return report
-
-
-def print_stats(r):
-    def fmt(x, unit):
-        return "n/a" if x is None else f"{x:.1f} {unit}"
-    lines = [
-        f"prompt tokens:       {', '.join(map(str, r['prompt_tokens']))}",
-        f"new tokens:          {', '.join(map(str, r['new_tokens']))} in {r['decode_steps']} steps",
-        f"prefill:             {fmt(r['prefill_seconds'] and r['prefill_seconds'] * 1e3, 'ms')}",
-        *([f"compile:             {fmt(r['compile_seconds'], 's')} (before the first token)"]
-          if r["compile_seconds"] is not None else []),
-        f"time to first token: {fmt(r['time_to_first_token_seconds'] and r['time_to_first_token_seconds'] * 1e3, 'ms')}",
-        f"decode:              {fmt(r['decode_tokens_per_second'], 'tokens/s')}",
-        f"forward passes:      {r['forward_passes']}, {r['positions_processed']} positions processed",
-    ]
-    spec = r["speculative"]
-    if spec:
-        rate = "n/a" if spec["acceptance_rate"] is None else f"{spec['acceptance_rate']:.1%}"
-        drafts = spec["draft_forward_passes"]
-        lines.append(f"speculative:         {spec['proposer']}, up to {spec['speculate']} per step: "
-                     f"{spec['proposed']} proposed, {spec['accepted']} accepted ({rate}) in "
-                     f"{spec['verify_passes']} verifying passes"
-                     + (f"; {drafts} draft passes" if drafts else ""))
-    if "cache_bytes_allocated" in r:
-        lines += [f"KV cache:            {r['cache_formula']} = {r['cache_bytes_formula']:,} B by the formula",
-                  f"                     {r['cache_bytes_allocated']:,} B allocated "
-                  f"(preallocated for the whole context); past the context: "
-                  + (f"{r['reprefills']} reprefills" if r["context_policy"] == "reprefill"
-                     else f"{r['evictions']} tokens evicted (sinks)")]
-    else:
-        lines.append("KV cache:            none (--no-cache)")
-    print("\n".join(lines), file=sys.stderr)
-
-
-@torch.no_grad()
-def score(model, tokenizer, text, device, kv_dtype=None):
-    """Loss of the model on text, scored in context_len windows that overlap by half, so that
-    every token after the first window is predicted from at least context_len/2 tokens. Each
-    window is one forward pass; with kv_dtype, the windows go through a cache of that kind
-    instead (nats_through_cache), with the same windows and so the same contexts."""
-    ids = torch.tensor([tokenizer.eot_token] + encode_user_text(tokenizer, text, "--score"), device=device)
-    context_len, n_targets = model.config.context_len, ids.numel() - 1
-    windows = score_windows(n_targets, context_len)
-    if kv_dtype:
-        total_nats = nats_through_cache(ids, windows, context_len,
-                                        lambda rows: model.new_cache(rows, kv_dtype),
-                                        lambda tokens, cache: model(tokens, cache)[0])
-    else:
-        total_nats = 0.0
-        for window_start, end, first in windows:
-            logits = model(ids[None, window_start:end])[0][0].float()
-            total_nats += F.cross_entropy(logits[first:], ids[window_start + 1 + first:end + 1],
-                                          reduction="sum").item()
-    if not math.isfinite(total_nats):  # activations overflowed (float16 has a small range)
-        raise UserError(f"the model's loss on this text is {total_nats} (its activations overflow "
-                        "in this dtype); try --dtype float32")
-    return {"chars": len(text), "tokens": n_targets, "nats_per_token": total_nats / n_targets,
-            "bits_per_char": total_nats / math.log(2) / len(text)}
-
-
-def score_windows(n_targets, context_len):
-    """(window_start, end, first) per window: tokens window_start..end-1 predict targets
-    window_start+1..end, of which those from index `first` of the window on were not scored
-    by an earlier window."""
-    windows, done, window_start = [], 0, 0  # targets 1..done are scored
-    while done < n_targets:
-        end = min(window_start + context_len, n_targets)
-        windows.append((window_start, end, done - window_start))
-        done, window_start = end, end - context_len // 2
-    return windows
-
-
-def nats_through_cache(ids, windows, context_len, new_cache, forward, rows=16):
-    """The summed loss of score()'s windows when every prediction reads its keys and values
-    back from a cache, fed as generation feeds it. new_cache(rows) makes an empty cache,
-    forward(tokens, cache) returns the logits and extends the cache in place (a model from
-    elsewhere fits too: benchmark.py scores transformers' quantized cache with this).
-
-    A window starts a fresh cache at position 0 (learned positions: the loop's reprefill
-    does the same), so the windows are independent and go through as the rows of
-    one batch, right-padded (padding comes after the text: no query sees it). The first half
-    of each window, the context it carries over, is prefilled; the rest is fed one token per
-    step. The cache hands back what it stored, so the prefill's own predictions (scored in the
-    first window only) read stored keys and values too."""
-    total_nats = 0.0
-    for i in range(0, len(windows), rows):
-        batch = windows[i:i + rows]
-        width = max(end - window_start for window_start, end, _ in batch)
-        tokens = torch.zeros(len(batch), width, dtype=torch.long, device=ids.device)
-        targets = torch.full_like(tokens, -1)  # -1: padding, or a target scored in an earlier window
-        for row, (window_start, end, first) in enumerate(batch):
-            tokens[row, :end - window_start] = ids[window_start:end]
-            targets[row, first:end - window_start] = ids[window_start + 1 + first:end + 1]
-        prefill = min(context_len // 2, *(end - window_start for window_start, end, _ in batch))
-        cache = new_cache(len(batch))
-        for start, stop in [(0, prefill), *((c, c + 1) for c in range(prefill, width))]:
-            logits = forward(tokens[:, start:stop], cache).float()  # (rows, stop - start, V)
-            total_nats += F.cross_entropy(logits.flatten(0, 1), targets[:, start:stop].flatten(),
-                                          ignore_index=-1, reduction="sum").item()
-    return total_nats
 
 
 def main():

@@ -27,10 +27,12 @@ from plumbing.script import begin, run
 if __name__ == "__main__":  # run as a command; importing this file changes nothing
     begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
 
-from kv_quant import KV_DTYPES, head_bytes  # noqa: E402
-from kv_quant import cache_bytes as formula_bytes  # noqa: E402
+from base_model import GPTConfig  # noqa: E402
+from kv_quant import KV_DTYPES, cache_bytes, head_bytes  # noqa: E402
+from llama import LlamaConfig  # noqa: E402
 from plumbing.checkpoint import BUNDLED, NAIVE_MODELS, default_checkpoint  # noqa: E402
 from plumbing.cli import ArgumentParser, load_source, positive_int  # noqa: E402
+from plumbing.memory import format_bytes, parameter_count  # noqa: E402
 from plumbing.outputs import MARK, check_output_path, import_pyplot, write_atomically  # noqa: E402
 
 WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}  # per parameter, scales not counted
@@ -53,21 +55,17 @@ class Shape:
 
 
 def gpt2_params(n_layer, n_embd, vocab_size=50257, context_len=1024):
-    """Parameters of a GPT-2 (base_model.GPT with biases; lm_head tied to the embedding)."""
-    per_block = (2 * 2 * n_embd                          # ln_1, ln_2
-                 + 3 * n_embd * n_embd + 3 * n_embd      # c_attn
-                 + n_embd * n_embd + n_embd              # attn c_proj
-                 + 4 * n_embd * n_embd + 4 * n_embd      # c_fc
-                 + 4 * n_embd * n_embd + n_embd)         # mlp c_proj
-    return (vocab_size + context_len) * n_embd + n_layer * per_block + 2 * n_embd
+    """Parameters of a GPT-2 (base_model.GPT with biases; lm_head tied to the embedding),
+    counted as the loaders count them (plumbing/memory.py)."""
+    return parameter_count(GPTConfig(context_len=context_len, vocab_size=vocab_size, n_layer=n_layer,
+                                     n_head=1, n_embd=n_embd))  # the head count changes no count
 
 
 def llama_params(n_layer, d_model, n_head, n_kv_head, d_ffn, vocab_size):
-    """Parameters of a Llama-style model: no biases, RMSNorm, SwiGLU, untied output layer."""
-    kv_width = n_kv_head * (d_model // n_head)
-    per_block = (2 * d_model * d_model + 2 * d_model * kv_width   # q, o; k, v
-                 + 3 * d_model * d_ffn + 2 * d_model)             # gate, up, down; two norms
-    return 2 * vocab_size * d_model + n_layer * per_block + d_model
+    """Parameters of a Llama-style model (no biases, RMSNorm, SwiGLU, untied output layer),
+    counted as the loaders count them (plumbing/memory.py)."""
+    return parameter_count(LlamaConfig(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
+                                       n_kv_head=n_kv_head, n_embd=d_model, intermediate_size=d_ffn))
 
 
 def gpt2(name, n_layer, n_head, n_embd):
@@ -95,29 +93,20 @@ def checkpoint_shape(args):
     return Shape(name, c.n_layer, c.n_head, c.n_kv_head, c.head_dim, model.num_params(), c.context_len)
 
 
-def cache_bytes(shape, kv_dtype, length, batch_size=1):
+def windowed_cache_bytes(shape, kv_dtype, length, batch_size=1):
     """kv_quant.cache_bytes for a shape: with a sliding window (Mistral), attention sees
     only the last sliding_window tokens, so the cache keeps no more."""
     kept = length if shape.sliding_window is None else min(length, shape.sliding_window)
-    return formula_bytes(shape, kept, batch_size, kv_dtype)
+    return cache_bytes(shape, kept, batch_size, kv_dtype)
 
 
 def sequences_that_fit(shape, kv_dtype, length, memory, weights_dtype):
     """How many sequences of `length` tokens fit in `memory` bytes once the weights are in."""
     free = memory - math.ceil(shape.params * WEIGHT_BYTES[weights_dtype])  # integers: exact at any size
-    return max(0, free // cache_bytes(shape, kv_dtype, length))
+    return max(0, free // windowed_cache_bytes(shape, kv_dtype, length))
 
 
 # ---------------------------------------------------------------------------- report
-
-def human(nbytes):
-    for unit, size in (("EiB", 2**60), ("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30),
-                       ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= size:
-            return (f"{nbytes / size:,.0f} {unit}" if 1000 * size <= nbytes < 1024 * size
-                    else f"{nbytes / size:.3g} {unit}")  # 1,000 GiB; 1.5e+06 EiB
-    return f"{nbytes:g} B"
-
 
 def count(n):
     """An exact count, or three significant digits past a quadrillion (a plan for more
@@ -137,9 +126,9 @@ def print_tables(shapes, kv_dtypes, lengths, memory, length, weights_dtype):
     for s in shapes:
         print(f"| {s.name} | {s.n_layer} | {s.n_head} / {s.n_kv_head} | {s.head_dim} | "
               f"{s.sliding_window or '-'} | {s.context_len:,} | {s.params / 1e6:,.0f}M | "
-              + " | ".join(human(s.params * b) for b in WEIGHT_BYTES.values()) + " |")
+              + " | ".join(format_bytes(s.params * b) for b in WEIGHT_BYTES.values()) + " |")
 
-    print(f"\n## KV cache of one sequence, and what fits in {human(memory)} next to "
+    print(f"\n## KV cache of one sequence, and what fits in {format_bytes(memory)} next to "
           f"{weights_dtype} weights\n")
     print("| model | kv dtype | bytes per head (k or v) | per token | "
           + " | ".join(tokens_label(n) for n in lengths)
@@ -149,10 +138,11 @@ def print_tables(shapes, kv_dtypes, lengths, memory, length, weights_dtype):
         fit_length = min(length, s.context_len)
         weights = s.params * WEIGHT_BYTES[weights_dtype]
         for kv in kv_dtypes:
-            per_token = formula_bytes(s, 1, 1, kv)
-            cells = [human(cache_bytes(s, kv, n)) + ("*" if n > s.context_len else "") for n in lengths]
+            per_token = cache_bytes(s, 1, 1, kv)
+            cells = [format_bytes(windowed_cache_bytes(s, kv, n)) + ("*" if n > s.context_len else "")
+                     for n in lengths]
             fit = sequences_that_fit(s, kv, fit_length, memory, weights_dtype)
-            print(f"| {s.name} | {kv} | {head_bytes(s.head_dim, kv)} B | {human(per_token)} | "
+            print(f"| {s.name} | {kv} | {head_bytes(s.head_dim, kv)} B | {format_bytes(per_token)} | "
                   + " | ".join(cells) + f" | {weights / per_token:,.0f} | "
                   f"{count(fit)} of {tokens_label(fit_length)} tokens |")
     print("\n\\* longer than the model's context: what the formula gives, not a length it can run. "
@@ -170,14 +160,14 @@ def plot(shapes, kv_dtypes, memory, path, plt):
         for kv, style in shown.items():
             inside = [n for n in lengths if n <= s.context_len] + [s.context_len]
             outside = [s.context_len] + [n for n in lengths if n > s.context_len]
-            ax.plot(inside, [cache_bytes(s, kv, n) for n in inside], linestyle=style, color=f"C{i}",
-                    linewidth=2, label=s.name if style == "-" else None)
-            ax.plot(outside, [cache_bytes(s, kv, n) for n in outside], linestyle=style,
+            ax.plot(inside, [windowed_cache_bytes(s, kv, n) for n in inside], linestyle=style,
+                    color=f"C{i}", linewidth=2, label=s.name if style == "-" else None)
+            ax.plot(outside, [windowed_cache_bytes(s, kv, n) for n in outside], linestyle=style,
                     color=f"C{i}", linewidth=1, alpha=0.3)
     for kv, style in shown.items():  # one legend entry per line style
         ax.plot([], [], color="black", linestyle=style, label=f"{kv} cache")
     ax.axhline(memory, color="black", linewidth=0.8)
-    ax.text(lengths[0], memory * 1.2, f"{human(memory)}: the whole memory", fontsize=9)
+    ax.text(lengths[0], memory * 1.2, f"{format_bytes(memory)}: the whole memory", fontsize=9)
     ax.set(xscale="log", yscale="log", xlabel="tokens in the sequence (faint: past the model's context)",
            ylabel="KV cache bytes, one sequence", title="KV cache vs context length (batch 1)")
     ax.set_xticks(lengths[::2], [tokens_label(n) for n in lengths[::2]])

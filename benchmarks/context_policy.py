@@ -39,6 +39,8 @@ from kv_cache import CACHED_MODELS  # noqa: E402
 from plumbing.checkpoint import ROOT  # noqa: E402
 from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
 from plumbing.outputs import check_output_path, publish_result  # noqa: E402
+from plumbing.scoring import score  # noqa: E402
+from plumbing.text_input import read_text  # noqa: E402
 from plumbing.user_text import encode_text  # noqa: E402
 
 HELDOUT = ROOT / "checkpoints" / "shakespeare" / "heldout.txt"
@@ -88,7 +90,6 @@ def context_policies(model, tokenizer, text, multiple=4, reps=3):
     """Both policies (reprefill only for a model without rotary positions) and the one-pass
     windows, on the first `multiple` contexts of text's tokens; the policies take turns,
     `reps` timed passes each after a warm-up (benchmarks.timing.alternate)."""
-    from generate import score  # the command's scorer: its windows are the reference
     n = multiple * model.config.context_len
     ids = torch.tensor([tokenizer.eot_token] + encode_text(tokenizer, text)[:n],
                        device=model.lm_head.weight.device)
@@ -143,7 +144,6 @@ def main():
     if args.json is not None:
         check_output_path(args.json, "json")
     model, tokenizer, _ = load_from_args(CACHED_MODELS, args)
-    from generate import read_text
     result = context_policies(model, tokenizer, read_text(args.text, "--text"), args.multiple, args.reps)
     publish_result(result, "benchmarks.context_policy",
                    lambda r: print_context_policies(r, args.ckpt or args.hf or "the default checkpoint"), args.json)

@@ -27,6 +27,7 @@ from kv_quant import (INT4_GROUP_SIZE, KV_DTYPES, cache_bytes, dequantize, group
                       head_bytes, head_bytes_text, quantize)
 from plumbing.checkpoint import ROOT  # noqa: E402
 from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
+from plumbing.scoring import nats_through_cache, score_windows  # noqa: E402
 from plumbing.user_text import encode_text  # noqa: E402
 
 
@@ -80,7 +81,6 @@ def quantized_peer(model, tokenizer, text, position, reps, steps=8):
     except ImportError as e:
         return {"note": f"skipped: {e.name} is not installed (pip install transformers optimum-quanto)"}
     from export_hf import hf_config, hf_state_dict
-    from generate import nats_through_cache, score_windows  # the scorer of generate.py --score
     device = model.lm_head.weight.device
     config = hf_config(model.config, eot=tokenizer.eot_token)  # GPT-2's, or a Llama family's
     theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))

@@ -160,7 +160,7 @@ def llama_cpp_missing():
 def placeholder_tokenizer():
     """A GGUF file must carry a tokenizer, but the peer feeds token ids, never text: the
     256 bytes and one merge stand in for any model's (random-weight shapes have none)."""
-    from plumbing.hf import GPT2_PATTERNS
+    from plumbing.hf_bpe import GPT2_PATTERNS
     ranks = {bytes([b]): b for b in range(256)} | {b"  ": 256}
     return tiktoken.Encoding(name="placeholder", pat_str=GPT2_PATTERNS[0], mergeable_ranks=ranks,
                              special_tokens={})

@@ -31,7 +31,8 @@ sys.path.insert(0, str(HERE.parent))  # the repo root: base_model, checkpoint, .
 sys.path.insert(0, str(HERE))         # corpus.py, tokenizer.py
 from base_model import GPT, GPTConfig  # noqa: E402
 from llama import Llama, LlamaConfig  # noqa: E402
-from plumbing.checkpoint import NAIVE_MODELS, load_model, read_checkpoint, save_checkpoint  # noqa: E402
+from plumbing.checkpoint import NAIVE_MODELS, load_model, save_checkpoint  # noqa: E402
+from plumbing.files import read_checkpoint  # noqa: E402
 from corpus import build_corpus  # noqa: E402
 from tokenizer import EOT, check_roundtrip, encoding, train_tokenizer  # noqa: E402
 

@@ -13,7 +13,9 @@ rope_scaling (4.x), or rope_parameters (5.x).
 """
 
 from plumbing.hf_tokenizer import read_tokenizer
-from plumbing.validation import CheckpointError, config_from_dict, read_json, short_repr
+from plumbing.files import read_json
+from plumbing.model_config import config_from_dict
+from plumbing.script import CheckpointError, short_repr
 
 LLAMA_MODEL_TYPES = {"llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True},
                      "qwen3": {"qk_norm": True}}

@@ -20,8 +20,9 @@ Special tokens decode as their text. A decoder of any other kind is refused in o
 import json
 import re
 
-from plumbing.validation import (PYTHON_OBJECTS_PER_FILE_BYTE, ROUND_TRIP_SAMPLE, CheckpointError,
-                                 check_file_fits, short_repr)
+from plumbing.files import PYTHON_OBJECTS_PER_FILE_BYTE, check_file_fits
+from plumbing.script import CheckpointError, short_repr
+from plumbing.tokenizer import check_contiguous, check_round_trip
 
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 SENTENCEPIECE_SPACE = "\u2581"  # '▁'
@@ -92,11 +93,8 @@ def token_bytes_table(tokenizer, decoder, source):
     by_id = {}
     for text, i in vocab.items():
         by_id.setdefault(i, text)
-    n_vocab = max(by_id) + 1
-    gap = next((i for i in range(n_vocab) if i not in by_id), None)
-    if gap is not None:
-        raise CheckpointError(f"{source}: the tokenizer has no token with id {gap} but ids up to "
-                              f"{n_vocab - 1}; ids must run 0..n-1 so that every id decodes")
+    check_contiguous(by_id, source)
+    n_vocab = len(by_id)
     kind = decoder_kind(decoder, source)
     to_byte = {c: b for b, c in byte_to_char().items()}
     table = []
@@ -186,7 +184,8 @@ def read_tokenizer(path, special_ids, tokenizer_config):
         raise CheckpointError(f"{path}: the tokenizer has no beginning- or end-of-text token "
                               "(bos_token, eos_token): a text cannot be started or ended")
     encoding = HFTokenizer(tokenizer, path.name, table, bos if adds_bos else None, eot, eos_ids)
-    check_round_trip(encoding, file)
+    check_round_trip(encoding, file, "a normalizer that changes text, or tokens the decoder cannot write",
+                     allow_dummy_prefix=True)
     return encoding
 
 
@@ -195,13 +194,3 @@ def adds_leading_token(tokenizer, bos):
     template does; tokenizer_config.json's add_bos_token, when there is one, decides)."""
     with_specials = tokenizer.encode("a", add_special_tokens=True).ids
     return bos is not None and with_specials[:1] == [bos] != tokenizer.encode("a", add_special_tokens=False).ids[:1]
-
-
-def check_round_trip(encoding, source):
-    """Every sample text must come back from encode_ordinary, then decode: any script, any
-    whitespace, emoji, control characters. A SentencePiece tokenizer puts a space before
-    a text (its 'dummy prefix'); that space is what the model reads, and is allowed for."""
-    prefix = encoding.decode(encoding.encode_ordinary("a"))[:-1]
-    if prefix not in ("", " ") or encoding.decode(encoding.encode_ordinary(ROUND_TRIP_SAMPLE)) != prefix + ROUND_TRIP_SAMPLE:
-        raise CheckpointError(f"{source}: the tokenizer does not give back the text it encodes "
-                              "(a normalizer that changes text, or tokens the decoder cannot write)")

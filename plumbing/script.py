@@ -1,7 +1,8 @@
 """
 What every command does around its work: begin() before the slow imports, run(main) around
 main(), and UserError for a mistake the user can fix, which ends in one line on stderr and
-exit status 2, never a traceback.
+exit status 2, never a traceback (CheckpointError is the one a file we cannot use raises;
+short_repr keeps a value quoted from such a file to one short line).
 
 Importing this module changes nothing: a command calls begin() itself, first thing,
 
@@ -14,6 +15,7 @@ plumbing) leaves the interpreter as it found it. No torch here: begin() must run
 """
 
 import os
+import reprlib
 import signal
 import sys
 from pathlib import Path
@@ -21,6 +23,20 @@ from pathlib import Path
 
 class UserError(ValueError):
     """Bad input from the user; its message is the one line they will see."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint or tokenizer that cannot be used; the message is one line for the user."""
+
+
+SHORT_REPR = reprlib.Repr()
+SHORT_REPR.maxlevel, SHORT_REPR.maxstring, SHORT_REPR.maxother = 2, 40, 40
+
+
+def short_repr(value):
+    """repr() cut to a few dozen characters and levels: a value from a hostile file may be
+    huge or nested a million deep, and an error message must stay one short line."""
+    return SHORT_REPR.repr(value).replace("\n", " ")
 
 
 class Terminated(BaseException):
@@ -81,7 +97,7 @@ def check_standard_streams():
 
 
 def run(main):
-    """Call main(); a UserError (a bad checkpoint is one too: validation.CheckpointError)
+    """Call main(); a UserError (a bad checkpoint is one too: CheckpointError)
     prints one line and exits 2, Ctrl-C exits 130 quietly, SIGTERM during a write ends the
     process by SIGTERM once the write has cleaned up."""
     try:

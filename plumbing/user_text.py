@@ -13,11 +13,11 @@ Two inputs break tiktoken's encode_ordinary:
     expression before its byte-pair merges, and GPT-2's `\\s+(?!\\S)` (whitespace not followed
     by a non-space) steps back over the whole run to find where it ends; the Rust engine
     (fancy-regex) gives up after a million steps and tiktoken panics (PanicException, not
-    even an Exception: the server dropped the connection, the commands printed a traceback).
+    even an Exception: it would drop the server's connection and end a command in a traceback).
 
 For the second, text with a whitespace run of SAFE_RUN characters or more is split here
 into the same pieces tiktoken's regular expression would make, with `regex` (the dialect
-tiktoken's patterns are written in; validation.check_pattern tests every pattern with it),
+tiktoken's patterns are written in; plumbing/tokenizer.py tests every pattern with it),
 and each piece goes through tiktoken's byte-pair merges alone, which is exactly what
 tiktoken does after its own split: the same ids, at any length. Other text, every prompt a
 person writes, goes to tiktoken whole (faster). tests/test_user_text.py checks the two

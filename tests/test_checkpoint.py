@@ -5,7 +5,9 @@ import tiktoken
 import torch
 
 from base_model import GPT
-from plumbing.checkpoint import NAIVE_MODELS, CheckpointError, load_model, read_checkpoint
+from plumbing.checkpoint import NAIVE_MODELS, load_model
+from plumbing.files import read_checkpoint
+from plumbing.script import CheckpointError
 from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
 from kv_cache import CACHED_MODELS
 
@@ -45,7 +47,8 @@ def test_bare_state_dict_infers_config(tmp_path):
     torch.save(state, path)
     with pytest.raises(CheckpointError, match="gpt2"):  # nothing says which tokenizer: gpt2
         load_model(NAIVE_MODELS, path, report=lambda _: None)
-    from plumbing.checkpoint import clean_state_dict, infer_config
+    from plumbing.checkpoint import clean_state_dict
+    from plumbing.model_config import infer_config
     inferred = infer_config(clean_state_dict(state), path)
     assert (inferred.n_layer, inferred.n_embd, inferred.context_len, inferred.vocab_size,
             inferred.n_head) == (3, 128, 40, 270, 2)  # n_head from 64-wide heads

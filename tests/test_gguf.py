@@ -122,7 +122,7 @@ def test_bundled_tokenizer_round_trips(tmp_path):
     export(BUNDLED, out, report=quiet)
     _, enc = load_model(CACHED_MODELS, BUNDLED, report=quiet)
     fields, _ = read(out)
-    from plumbing.hf import byte_to_char
+    from plumbing.hf_tokenizer import byte_to_char
     to_byte = {c: b for b, c in byte_to_char().items()}
     tokens = fields["tokenizer.ggml.tokens"]
     for rank, token in enumerate(tokens[:enc.eot_token]):

@@ -18,9 +18,9 @@ import sys
 import pytest
 import torch
 
-from plumbing.checkpoint import BUNDLED, CheckpointError, load_model, save_checkpoint
+from plumbing.checkpoint import BUNDLED, load_model, save_checkpoint
 from conftest import ROOT, TINY_CONFIGS, byte_tokenizer_spec, run_script, tiny_model
-from plumbing.script import UserError
+from plumbing.script import CheckpointError, UserError
 from export_hf import export
 from plumbing.hf import load_hf_model
 from generation.loop import generate_tokens
@@ -61,8 +61,8 @@ def quiet(*_):
 
 def gpt2_byte_chars():
     """GPT-2's byte -> character table written out from its definition (independently of
-    plumbing.hf.byte_to_char): the printable ranges keep their characters, in this order, and
-    the other 68 bytes become chr(256), chr(257), ... in byte order."""
+    plumbing.hf_tokenizer.byte_to_char): the printable ranges keep their characters, in this
+    order, and the other 68 bytes become chr(256), chr(257), ... in byte order."""
     kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
             *range(ord("®"), ord("ÿ") + 1)]
     moved = [b for b in range(256) if b not in kept]

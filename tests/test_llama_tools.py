@@ -19,7 +19,8 @@ from kv_cache import CACHED_MODELS, KVCacheLlama
 from kv_quant import cache_bytes
 from llama import LlamaConfig
 from plumbing.checkpoint import NAIVE_MODELS, load_model, save_checkpoint
-from plumbing.validation import CheckpointError, config_from_dict
+from plumbing.model_config import config_from_dict
+from plumbing.script import CheckpointError
 
 CONFIG = LlamaConfig(context_len=48, vocab_size=260, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
                      intermediate_size=64, rope_theta=5000.0)

@@ -1,5 +1,6 @@
-"""The validation layer (plumbing/validation.py) on hostile configs, sizes, weights and tokenizers:
-each is refused in one CheckpointError line naming what is wrong, before anything large is
+"""The loaders' checks on hostile configs, sizes, weights and tokenizers (plumbing/files.py,
+memory.py, model_config.py, tokenizer.py, checkpoint.py's build_model, hf.py's BPE): each is
+refused in one CheckpointError line naming what is wrong, before anything large is
 built or allocated. Everything here runs in-process on tiny files made in the test; the
 CLI path (exit status 2) is test_cli_errors.py's."""
 
@@ -13,13 +14,16 @@ import pytest
 import tiktoken
 import torch
 
-from plumbing import validation
 from base_model import GPT, GPTConfig
-from plumbing.checkpoint import NAIVE_MODELS, build_model, load_model, read_checkpoint
 from conftest import ROOT, TINY_CONFIGS, byte_tokenizer_spec, tiny_model
-from plumbing.hf import encoding_from_bpe, parse_tokenizer_json
 from kv_cache import CACHED_MODELS
-from plumbing.validation import CheckpointError, config_from_dict, encoding_from_spec
+from plumbing import memory
+from plumbing.checkpoint import NAIVE_MODELS, build_model, check_values, load_model
+from plumbing.files import read_checkpoint
+from plumbing.hf_bpe import encoding_from_bpe, parse_tokenizer_json
+from plumbing.model_config import SHAPE_FIELDS, config_from_dict
+from plumbing.script import CheckpointError
+from plumbing.tokenizer import ROUND_TRIP_SAMPLE, encoding_from_spec
 
 CONFIG = TINY_CONFIGS[0]
 GOOD = vars(CONFIG).copy()
@@ -84,7 +88,7 @@ def test_a_training_only_config_means_infer_from_the_weights(tmp_path):
 
 def test_parameter_count_matches_the_model(config):
     """The memory estimate counts parameters from the config alone: it must be exact."""
-    assert validation.parameter_count(config) == tiny_model(config, cls=GPT).num_params()
+    assert memory.parameter_count(config) == tiny_model(config, cls=GPT).num_params()
 
 
 # ---------------------------------------------------------------------------- sizes
@@ -99,15 +103,15 @@ HUGE = [  # (change, what the line must say); each would allocate terabytes or t
 
 @pytest.mark.parametrize("change, words", HUGE)
 def test_sizes_that_would_exhaust_memory_are_refused_with_their_cost(change, words):
-    message = one_line(config_from_dict, GOOD | change, "ckpt.pt", match="would need .* [GM]B of memory")
+    message = one_line(config_from_dict, GOOD | change, "ckpt.pt", match="would need .* [KMGTPE]iB of memory")
     assert words in message and "is available" in message
 
 
 def test_the_limit_follows_available_memory(monkeypatch):
-    assert 0 < validation.available_memory()
-    monkeypatch.setattr(validation, "available_memory", lambda: 10 ** 5)  # 100 KB left
+    assert 0 < memory.available_memory()
+    monkeypatch.setattr(memory, "available_memory", lambda: 10 ** 5)  # 100 KB left
     message = one_line(config_from_dict, GOOD, "ckpt.pt", match="would need")
-    assert "0.1 MB is available" in message and f"{validation.parameter_count(CONFIG):,} parameters" in message
+    assert "97.7 KiB is available" in message and f"{memory.parameter_count(CONFIG):,} parameters" in message
 
 
 def test_huge_configs_are_refused_without_allocating(tmp_path):
@@ -119,7 +123,8 @@ def test_huge_configs_are_refused_without_allocating(tmp_path):
         paths.append(str(save(tmp_path / f"huge{i}.pt", GOOD | change)))
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
             f"sys.path.insert(0, {str(ROOT)!r})\n"
-            "from plumbing.checkpoint import load_model, CheckpointError\nfrom kv_cache import CACHED_MODELS\n"
+            "from plumbing.checkpoint import load_model\nfrom plumbing.script import CheckpointError\n"
+            "from kv_cache import CACHED_MODELS\n"
             "for p in sys.argv[1:]:\n"
             "    try: load_model(CACHED_MODELS, p)\n"
             "    except CheckpointError as e: print(e)\n")
@@ -161,8 +166,8 @@ def test_compressed_checkpoint_that_would_expand_too_far(tmp_path, monkeypatch):
     bomb = deflated(good, tmp_path / "bomb.pt", 64 << 20)
     assert bomb.stat().st_size < 1 << 20
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load was called"))
-    one_line(read_checkpoint, bomb, match="would expand from 0.1 MB to 67.1 MB")
-    monkeypatch.setattr(validation, "available_memory", lambda: good.stat().st_size + 1)
+    one_line(read_checkpoint, bomb, match="would expand from [0-9.]+ KiB to 64 MiB")
+    monkeypatch.setattr(memory, "available_memory", lambda: good.stat().st_size + 1)
     one_line(read_checkpoint, good, match="unpacking this checkpoint .* would need")
 
 
@@ -198,13 +203,13 @@ def test_bad_weight_values_are_named(tmp_path, key, change, words):
 
 def test_finite_weights_whose_sum_overflows_are_fine():
     """The fast check sums each tensor; a sum that overflows must not be taken for a NaN."""
-    validation.check_values({"w": torch.full((4,), 3e38), "v": torch.full((8,), 6e4).half()}, "t")
+    check_values({"w": torch.full((4,), 3e38), "v": torch.full((8,), 6e4).half()}, "t")
 
 
 def test_fp16_nan_is_caught():
     t = torch.zeros(10, dtype=torch.float16)
     t[7] = float("nan")
-    one_line(validation.check_values, {"w": t}, "t", match="w holds 1 NaN")
+    one_line(check_values, {"w": t}, "t", match="w holds 1 NaN")
 
 
 @pytest.mark.parametrize("state, words", [
@@ -274,20 +279,20 @@ def test_tokenizer_errors_through_the_loader(tmp_path):
 
 
 def test_slow_pattern_is_refused(monkeypatch):
-    monkeypatch.setattr(validation, "PATTERN_TIMEOUT_S", 1e-9)
+    monkeypatch.setattr("plumbing.tokenizer.PATTERN_TIMEOUT_S", 1e-9)
     one_line(encoding_from_spec, spec(), "t", match="TimeoutError")
 
 
 def test_good_spec_round_trips_everything():
     enc = encoding_from_spec(spec(), "t")
-    text = validation.ROUND_TRIP_SAMPLE + "\U0010ffff"
+    text = ROUND_TRIP_SAMPLE + "\U0010ffff"
     assert enc.decode(enc.encode_ordinary(text)) == text and enc.eot_token == 256
 
 
 # ---------------------------------------------------------------------------- HF tokenizer files
 
 def char(b):
-    from plumbing.hf import byte_to_char
+    from plumbing.hf_tokenizer import byte_to_char
     return byte_to_char()[b]
 
 
@@ -371,7 +376,7 @@ def one_part_changed(good, parts):
         lambda key: st.builds(change, st.just(key), parts[key] if key else st.none(), st.booleans()))
 
 
-CONFIG_PARTS = {**{name: st.integers(-1, 64) | VALUES for name in validation.SHAPE_FIELDS},
+CONFIG_PARTS = {**{name: st.integers(-1, 64) | VALUES for name in SHAPE_FIELDS},
                 "dropout": st.floats(-1, 2) | VALUES, "bias": st.booleans() | VALUES}
 
 
