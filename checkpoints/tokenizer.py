@@ -2,7 +2,7 @@
 Tokenizer: a byte-level BPE trained on the training plays, stored as tiktoken ranks.
 
 The merges are learned with `rustbpe` (nanochat's BPE trainer, build-time only); the
-result is a plain spec dict that validation.encoding_from_spec turns into a
+result is a plain spec dict that plumbing/tokenizer.py's encoding_from_spec turns into a
 tiktoken.Encoding, so running the suite needs only tiktoken.
 
 Why 4096 tokens: the token embedding is vocab_size x n_embd parameters, shared with the

@@ -54,7 +54,7 @@ def default_num_blocks(config, tokens_per_block, max_batch, kv_dtype):
 
 def check_pool_fits(config, num_blocks, tokens_per_block, kv_dtype):
     """Refuse, before allocating it, a pool larger than the memory left (ValueError)."""
-    from plumbing.validation import available_memory, format_bytes  # the loaders' memory rule
+    from plumbing.memory import available_memory, format_bytes  # the loaders' memory rule
     needed = cache_bytes(config, (num_blocks + 1) * tokens_per_block, 1, kv_dtype)  # + the null block
     available = available_memory()
     if needed > available:

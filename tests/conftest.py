@@ -28,7 +28,7 @@ from base_model import GPTConfig  # noqa: E402
 from plumbing.checkpoint import save_checkpoint  # noqa: E402
 from generation import compiled_step  # noqa: E402
 from kv_cache import KVCacheGPT  # noqa: E402
-from plumbing.validation import encoding_from_spec  # noqa: E402
+from plumbing.tokenizer import encoding_from_spec  # noqa: E402
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 

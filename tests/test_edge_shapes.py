@@ -13,7 +13,7 @@ from generation.loop import GenerationStats, generate_tokens
 from conftest import byte_tokenizer_spec, tiny_model
 from generate import score
 from kv_cache import KVCacheGPT
-from plumbing.validation import encoding_from_spec
+from plumbing.tokenizer import encoding_from_spec
 
 TOKENIZER = encoding_from_spec(byte_tokenizer_spec(), "bytes")
 TEXT = "To be, or not to be: that is the question."

@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from base_model import GPTConfig  # noqa: E402
 from conftest import ROOT, byte_tokenizer_spec, run_script, tiny_model  # noqa: E402
 from generation.loop import generate_tokens  # noqa: E402
-from plumbing.validation import encoding_from_spec  # noqa: E402
+from plumbing.tokenizer import encoding_from_spec  # noqa: E402
 from serving.chat import ChatTemplate, template_from_hf_dir  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.server import BackgroundServer  # noqa: E402
