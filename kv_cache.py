@@ -45,7 +45,8 @@ from kv_quant import cache_bytes, cache_formula, dtype_name, storage_format
 # with grouped-query attention, whose query heads share them.
 # The serving engine's paged cache (serving/paged_cache.py) and the compiled step's view of
 # the buffer (generation/compiled_step.py) are Caches too. ConcatCache and KVCache below
-# also say how big they are (nbytes), and hand the generation loop the tensors they store
+# also say how big they are (nbytes), turn their cached keys for the sinks policy
+# (map_keys: model.move_keys), and hand the generation loop the tensors they store
 # (tensors, hold): it moves their rows and columns itself (generation/rows.py), for
 # batches whose rows finish, speculative decoding and the context policies.
 

@@ -139,7 +139,7 @@ class Generation:
         # 1. prefill: the prompts in one pass, and each row's first token
         tokens = self.choose(self.prefill())[:, None]                        # (R, 1)
         counts = torch.ones_like(tokens[:, 0])  # row b got tokens[b, :counts[b]] this step
-        step = self.choose_step(tokens)
+        step = self.new_step(tokens)
         try:
             while True:
                 yield from self.hand_out(tokens, counts)
@@ -150,7 +150,7 @@ class Generation:
                 newest = tokens.gather(1, (counts - 1)[:, None])                # (R, 1)
                 if len(staying) < len(self.rows.numbers) and not step.keeps_every_row:
                     index = torch.tensor(staying, device=newest.device)
-                    self.rows.select(index)
+                    self.rows.select_rows(index)
                     step.select_rows(index)
                     newest = newest[index]
                 # 3. past the context: make room for one more column
@@ -168,7 +168,7 @@ class Generation:
         benchmarks/context_policy.py.)"""
         return sample(logits[:, :self.vocab_limit], **self.sampling)[:, 0]
 
-    def choose_step(self, first):
+    def new_step(self, first):
         """The decode step of this generation (generation/steps.py), chosen once. first:
         each row's first token (R, 1), which a proposer starts from."""
         if self.proposer:

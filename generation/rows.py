@@ -7,8 +7,8 @@ history: what reprefill computes again). Rows are left-padded, so that every row
 token sits in the last column and a step writes all rows at one column. The loop moves
 rows and columns for four reasons:
 
-    select(index)         rows that finished leave (or, after the prefill, repeat: one
-                          prompt's samples share its prefill)
+    select_rows(index)    rows that finished leave (and repeat(n): after the prefill, a
+                          prompt's samples share it)
     drop_oldest(n)        the n oldest columns go (reprefill; padding every row has)
     forget_column(column) each row forgets one column (the sinks policy)
     rollback(positions)   each row forgets what was fed past a length (speculative decoding)
@@ -16,8 +16,9 @@ rows and columns for four reasons:
 Each is one method here, and moves the cache's tensors and the history together: they share
 the column index, so one gather index serves both. The moves work on the tensors a cache
 hands over (cache.tensors(): rows on dim -4, columns on dim -2, as both kv_cache.ConcatCache
-and the preallocated KVCache store them) and hand them back (cache.hold), so they need no
-cache class of their own, and quantized caches move their bytes as they are.
+and the preallocated KVCache store them) and hand them back (cache.hold): they need none
+of kv_cache.py's classes (kv_cache.py imports the loop, so nothing here may import it),
+and a quantized cache's bytes move as they are.
 """
 
 import torch
@@ -54,7 +55,7 @@ class Rows:
 
     # ------------------------------------------------------------------------ rows
 
-    def select(self, index):
+    def select_rows(self, index):
         """Keep the rows index (LongTensor), in that order: index may leave rows out (rows
         that have finished) or repeat them."""
         self.cache.hold([t.index_select(-4, index) for t in self.cache.tensors()], self.length)
@@ -64,7 +65,7 @@ class Rows:
 
     def repeat(self, n):
         """Every row n times in a row (one prefill shared by n samples), numbered afresh."""
-        self.select(torch.arange(len(self.numbers), device=self.pad.device).repeat_interleave(n))
+        self.select_rows(torch.arange(len(self.numbers), device=self.pad.device).repeat_interleave(n))
         self.numbers = list(range(len(self.numbers)))
 
     def write_rows(self, rows, cache, column):

@@ -284,7 +284,7 @@ class DraftModel(Proposer):
 
     def select_rows(self, index):
         super().select_rows(index)
-        self.rows.select(index)
+        self.rows.select_rows(index)
         self.unfed = self.unfed[index]
 
     def describe(self):

@@ -41,7 +41,7 @@ class PlainStep:
         return self.model(tokens, self.rows.cache)[0]
 
     def select_rows(self, index):
-        """The loop's rows index are kept (Rows.select): a step with rows of its own keeps
+        """The loop's rows index are kept (Rows.select_rows): a step with rows of its own keeps
         the same ones."""
 
 
