@@ -34,8 +34,7 @@ from kv_quant import dtype_name, storage_format
 # ---------------------------------------------------------------------------- the caches
 #
 # A cache holds, for every layer, the keys and values of the positions seen so far: rows are
-# sequences, columns are cached positions. Two layers of interface:
-#   Cache             what attention needs:
+# sequences, columns are cached positions. What attention needs of it (Cache):
 #     k, v = cache.update(layer, k_new, v_new)   store the new columns, return all of them
 #     cache.length                               columns filled in every row; the cache
 #                                                counts the new ones once the last layer
@@ -43,16 +42,14 @@ from kv_quant import dtype_name, storage_format
 #     cache.pad                                  None, or per row the padding columns at its
 #                                                left (batches of prompts of different lengths)
 #     cache.attend(layer, q, k, v, mask)         update(), then attention over what it returns
-#   GenerationCache   what the generation loop needs too: nbytes(), and moves on rows and
-#                     columns (select_rows, drop_oldest, write_rows, empty_like; for the
-#                     sinks policy forget_column and map_keys), and
-#                     rollback(positions): forget every position past a length, per row
-#                     (speculative decoding's rejected proposals: generation/speculative.py)
 # A cache stores n_kv_head heads (config.n_kv_head): every head for GPT-2, fewer for a model
 # with grouped-query attention, whose query heads share them.
 # The serving engine's paged cache (serving/paged_cache.py) and the compiled step's view of
-# the buffer (generation/compiled_step.py) are Caches; ConcatCache and KVCache below are
-# GenerationCaches.
+# the buffer (generation/compiled_step.py) are Caches too. ConcatCache and KVCache below
+# also say how big they are (nbytes), turn their cached keys for the sinks policy
+# (map_keys: model.move_keys), and hand the generation loop the tensors they store
+# (tensors, hold): it moves their rows and columns itself (generation/rows.py), for
+# batches whose rows finish, speculative decoding and the context policies.
 
 class Cache:
     length = 0
@@ -73,97 +70,7 @@ class Cache:
                                               enable_gqa=k.size(1) != q.size(1))
 
 
-class GenerationCache(Cache):
-    """A cache the generation loop owns from prefill to the last token: it can say how big it
-    is and move its rows and columns (generation/loop.py uses every one of these)."""
-
-    def nbytes(self):
-        """Bytes its tensors hold."""
-        raise NotImplementedError
-
-    def empty_like(self, batch_size):
-        """An empty cache of the same kind, shape and dtype for batch_size rows."""
-        raise NotImplementedError
-
-    def select_rows(self, index):
-        """Keep the rows index (LongTensor), in that order: index may repeat rows (one
-        prefill shared by several samples) or leave some out (rows that have finished)."""
-        raise NotImplementedError
-
-    def drop_oldest(self, n, pad=None):
-        """Forget the n oldest columns of every row (the caller has made sure they are
-        padding, or context a row is about to rebuild). pad: each row's left padding
-        afterwards, when the caller will rebuild some rows further right; by default every
-        row's padding moves left with its columns."""
-        raise NotImplementedError
-
-    def write_rows(self, rows, other, column):
-        """Copy the columns of `other` (a cache with len(rows) rows) into rows `rows`,
-        starting at `column`."""
-        raise NotImplementedError
-
-    def forget_column(self, column):
-        """Forget one column of every row, row b's column[b] (LongTensor (B,)); the
-        columns right of it move one left. A row that forgets a padding column has one
-        less of padding."""
-        raise NotImplementedError
-
-    def map_keys(self, start, fn):
-        """Replace the keys of columns start.. of every layer, k (..., B, nh, length - start,
-        hd) (one layer's, or every layer's at once), by fn(k), which keeps the shape (the
-        sinks policy turns them to the positions they have moved to)."""
-        raise NotImplementedError
-
-    def _forget_pad(self, column):
-        """Keep `pad` in step with forget_column."""
-        if self.pad is not None:
-            self._move_pad(pad=self.pad - (column < self.pad).long())
-
-    def rollback(self, positions):
-        """Forget every position from positions[b] on in row b (positions: (B,) LongTensor):
-        what the cache keeps is as if those tokens had never been fed. Speculative decoding
-        feeds proposed tokens and keeps those the model agrees with, a different number in
-        every row.
-
-        Rows are right-aligned (every row's newest token in the last column, so that a step
-        writes all rows at one column), and a row's positions are its columns less its
-        padding. So: the columns that every row forgets are dropped from the end, and a row
-        that forgets more has its kept columns moved right by the difference, its padding
-        growing as much, which leaves every kept key at its position:
-
-            before (length 6)      rollback([5, 2])       after (length 5)
-            row 0:  a b c d e f    keeps a b c d e        row 0:  a b c d e
-            row 1:  . . w x y z    keeps w x: moves 1     row 1:  . . . w x
-
-        Rotary keys (KVCacheLlama) are cached after rotation by their position, and a kept
-        key's position does not change, so none is turned again: rollback only forgets.
-        """
-        held = self.length - (self.pad if self.pad is not None else 0)  # (B,) positions held
-        if ((positions < 0) | (positions > held)).any():
-            raise ValueError(f"rollback to {positions.tolist()} positions: the rows hold "
-                             f"{(held + 0 * positions).tolist()}")
-        forget = held - positions                       # (B,) columns each row forgets
-        shift = forget - forget.min()                   # how far each row's kept columns move
-        self.length -= int(forget.min())
-        self._keep_columns(shift)
-        pad = shift if self.pad is None else self.pad + shift
-        self.pad = pad if pad.any() else None
-
-    def _keep_columns(self, shift):
-        """rollback's move, self.length being the new length already: keep the first length
-        columns, row b's first length - shift[b] of them moved right by shift[b]."""
-        raise NotImplementedError
-
-    def _move_pad(self, index=None, dropped=0, pad=None):
-        """Keep `pad` in step with select_rows and drop_oldest."""
-        if pad is not None:
-            self.pad = pad if pad.any() else None
-        elif self.pad is not None:
-            pad = self.pad if index is None else self.pad[index]
-            self.pad = (pad - dropped).clamp(min=0)
-
-
-class ConcatCache(GenerationCache):
+class ConcatCache(Cache):
     """The seed's cache: a list of per-layer (k, v), each (B, nh, length, hd), grown by
     torch.cat. Simple, and what forward() takes when a caller passes the seed's list (it
     reads as that list: cache[layer] is the layer's (k, v)); but every step copies the whole
@@ -195,47 +102,26 @@ class ConcatCache(GenerationCache):
     def nbytes(self):
         return sum(k.nbytes + v.nbytes for k, v in self.layers)
 
-    def empty_like(self, batch_size):
-        return ConcatCache(self.n_layer)
+    def tensors(self):
+        """The tensors that hold its columns: k and v of every layer, (B, nh, length, hd)
+        each (rows on dim -4, columns on dim -2, as KVCache's buffer)."""
+        return [t for kv in self.layers for t in kv]
 
-    def select_rows(self, index):
-        self.layers = [(k[index], v[index]) for k, v in self.layers]
-        self._move_pad(index)
-
-    def drop_oldest(self, n, pad=None):
-        self.layers = [(k[:, :, n:], v[:, :, n:]) for k, v in self.layers]
-        self.length -= n
-        self._move_pad(dropped=n, pad=pad)
-
-    def write_rows(self, rows, other, column):
-        # the tensors were made by cat or by indexing, so no one else holds them
-        for (k, v), (ok, ov) in zip(self.layers, other.layers):
-            k[rows, :, column:column + other.length] = ok
-            v[rows, :, column:column + other.length] = ov
-
-    def forget_column(self, column):
-        kept = columns_kept(column, self.length)                           # (B, length - 1)
-        B, nh, _, hd = self.layers[0][0].shape
-        index = kept[:, None, :, None].expand(B, nh, -1, hd)
-        self.layers = [(k.gather(2, index), v.gather(2, index)) for k, v in self.layers]
-        self.length -= 1
-        self._forget_pad(column)
+    def hold(self, tensors, length):
+        """Hold `tensors` (tensors()'s layout), their first `length` columns: a ConcatCache
+        keeps no more columns than it has filled, as torch.cat grows it."""
+        kept = [t[..., :length, :] for t in tensors]
+        self.layers, self.length = list(zip(kept[0::2], kept[1::2])), length
 
     def map_keys(self, start, fn):
+        """Replace the keys of columns start.. of every layer, k (..., B, nh, length - start,
+        hd) (one layer's, or every layer's at once), by fn(k), which keeps the shape (the
+        sinks policy turns them to the positions they have moved to: model.move_keys)."""
         self.layers = [(torch.cat([k[:, :, :start], fn(k[:, :, start:])], dim=2), v)
                        for k, v in self.layers]
 
-    def _keep_columns(self, shift):
-        if not shift.any():  # no row moves: every row just ends earlier
-            self.layers = [(k[:, :, :self.length], v[:, :, :self.length]) for k, v in self.layers]
-            return
-        source = source_columns(shift, self.length)[:, None, :, None]  # (B, 1, length, 1)
-        self.layers = [(k.gather(2, source.expand(*k.shape[:2], -1, k.size(3))),
-                        v.gather(2, source.expand(*v.shape[:2], -1, v.size(3))))
-                       for k, v in self.layers]
 
-
-class KVCache(GenerationCache):
+class KVCache(Cache):
     """A preallocated cache: one buffer (n_layer, 2, B, nh, max_len, width) for every layer's
     k and v, allocated once and written in place, so a step writes only its own columns
     where torch.cat copies the whole past. The default kind.
@@ -274,19 +160,6 @@ class KVCache(GenerationCache):
         k_all, v_all = keys.narrow(2, 0, end), values.narrow(2, 0, end)  # (B, nh, end, width)
         return self.format.decode(k_all), self.format.decode(v_all)
 
-    def advance(self, n):
-        """Count n more columns, written into the buffer by someone else (the compiled
-        decode step writes it in place from inside its graph)."""
-        self.length += n
-
-    def grow(self, max_len):
-        """Hold max_len positions from now on (more than it holds): a new buffer, the
-        columns written copied into it, the new ones zeroed (the compiled decode step
-        reads every column, the unwritten ones masked: no NaN bits may be there)."""
-        grown = self.kv.new_zeros((*self.kv.shape[:4], max_len, self.kv.size(5)))
-        grown[..., :self.length, :] = self.kv[..., :self.length, :]
-        self.kv, self.max_len = grown, max_len
-
     def __len__(self):
         return self.kv.size(0)
 
@@ -299,57 +172,21 @@ class KVCache(GenerationCache):
     def nbytes(self):
         return self.kv.nbytes
 
-    def empty_like(self, batch_size):
-        return KVCache(self.config, batch_size, self.kv.device, self.dtype, self.max_len, self.kv_dtype)
+    def tensors(self):
+        """The tensor that holds its columns: the buffer, (n_layer, 2, B, nh, max_len,
+        width) (rows on dim -4, columns on dim -2, as ConcatCache's tensors), its bytes as
+        the format stores them."""
+        return [self.kv]
 
-    def select_rows(self, index):
-        self.kv = self.kv[:, :, index]
-        self._move_pad(index)
-
-    def drop_oldest(self, n, pad=None):
-        kept = self.kv[..., n:self.length, :].clone()  # clone: source and target overlap
-        self.kv[..., :self.length - n, :] = kept
-        self.length -= n
-        self._move_pad(dropped=n, pad=pad)
-
-    def write_rows(self, rows, other, column):
-        self.kv[:, :, rows, :, column:column + other.length] = other.kv[..., :other.length, :]
-
-    def forget_column(self, column):
-        kept = columns_kept(column, self.length)                           # (B, length - 1)
-        n_layer, _, B, nh, _, width = self.kv.shape
-        index = kept[None, None, :, None, :, None].expand(n_layer, 2, B, nh, -1, width)
-        # gather first (a new tensor), then write back: source and target overlap
-        self.kv[..., :self.length - 1, :] = self.kv[..., :self.length, :].gather(4, index)
-        self.length -= 1
-        self._forget_pad(column)
+    def hold(self, tensors, length):
+        """Hold `tensors` (tensors()'s layout: one buffer, of any number of rows and
+        columns), its first `length` columns filled."""
+        self.kv, = tensors
+        self.max_len, self.length = self.kv.size(4), length
 
     def map_keys(self, start, fn):
         keys = self.kv[:, 0, :, :, start:self.length]  # (n_layer, B, nh, columns, width): every layer at once
         keys.copy_(self.format.encode(fn(self.format.decode(keys))))
-
-    def _keep_columns(self, shift):
-        # the columns past length are simply overwritten later; only the rows that move are copied
-        rows = shift.nonzero()[:, 0]
-        if not rows.numel():
-            return
-        moving = self.kv[:, :, rows, :, :self.length]  # (n_layer, 2, r, nh, length, width), a copy
-        source = source_columns(shift[rows], self.length)[None, None, :, None, :, None]
-        self.kv[:, :, rows, :, :self.length] = moving.gather(4, source.expand_as(moving))
-
-
-def columns_kept(column, length):
-    """(B, length - 1): for each column a row keeps, the column it comes from, when row b
-    forgets column[b] of `length`."""
-    kept = torch.arange(length - 1, device=column.device)
-    return kept + (kept >= column[:, None])
-
-
-def source_columns(shift, length):
-    """(B, length): for rows moving right by shift (B,), the column each of the first `length`
-    columns takes its contents from. Those left of a row's moved columns become padding:
-    what they hold is never seen."""
-    return (torch.arange(length, device=shift.device) - shift[:, None]).clamp(min=0)
 
 
 def as_cache(past_kv, n_layer):

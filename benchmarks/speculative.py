@@ -40,6 +40,7 @@ from benchmarks.peers import (leading_matches, llama_cpp_missing, llama_greedy, 
 from benchmarks.timing import alternate, repeat, spread  # noqa: E402
 from generation.loop import GenerationStats, generate_tokens, synchronize  # noqa: E402
 from generation.speculative import DraftModel, PromptLookup  # noqa: E402
+from generation.rows import Rows  # noqa: E402
 from kv_cache import CACHED_MODELS  # noqa: E402
 from plumbing.checkpoint import ROOT  # noqa: E402
 from plumbing.cli import (ArgumentParser, add_model_args, load_draft, load_from_args,  # noqa: E402
@@ -216,11 +217,13 @@ def draft_section(model, draft, prompts, n, reps, ks, peers=True):
 def step_times(model, draft, position, ks, reps, steps=20):
     """Milliseconds (median of reps) of: the model's step over 1 token and over K + 1 tokens,
     and the draft's step over 1 token, each at `position` cached tokens, batch 1. Each pass
-    is rolled back after it (kv_cache rollback), so every one sees the same cache."""
+    is rolled back after it (generation/rows.py's rollback), so every one sees the same cache."""
     def time_pass(m, width):
         device = m.lm_head.weight.device
-        cache = m.new_cache(1)
-        m(torch.zeros(1, position, dtype=torch.long, device=device), cache)
+        rows = Rows(m.new_cache(1), 1, m.config.context_len, device)
+        prompt = torch.zeros(1, position, dtype=torch.long, device=device)
+        rows.record(prompt)
+        m(prompt, rows.cache)
         tokens = torch.zeros(1, width, dtype=torch.long, device=device)
         keep = torch.tensor([position], device=device)
 
@@ -228,8 +231,9 @@ def step_times(model, draft, position, ks, reps, steps=20):
             synchronize(device)
             t0 = time.perf_counter()
             for _ in range(steps):
-                m(tokens, cache)
-                cache.rollback(keep)
+                rows.record(tokens)
+                m(tokens, rows.cache)
+                rows.rollback(keep)
             synchronize(device)
             return (time.perf_counter() - t0) / steps * 1e3
         return statistics.median(repeat(once, reps))

@@ -153,7 +153,7 @@ def export_program(program, example_inputs, dynamic_shapes=None):
 # kernel against inductor's own C++ template (a vectorised micro-kernel generated for that
 # exact shape and weight layout) and compiles in the faster: the template won at every
 # shape of the bundled model, 3-6x per matmul, and the whole step ran 2-3x faster
-# (docs/benchmarks.md, "Round 2"). freezing lets inductor treat the weights as constants
+# (docs/benchmarks.md). freezing lets inductor treat the weights as constants
 # (the library holds its own copy anyway) and lay them out for its kernels once, at build
 # time. The timing makes a build slower: 44 s for the bundled model, 95 s for GPT-2 small.
 # The last two options keep the timing tables inductor prints while it tunes off the
@@ -217,7 +217,7 @@ class CompiledStep:
         if self.draws:  # Exp(1) noise for sample_with_noise's draw
             self.noise.exponential_(generator=self.generator)
         outputs = self.run([tokens, cache.kv, self.length, pad, self.noise])
-        cache.advance(tokens.size(1))
+        cache.length += tokens.size(1)  # the columns the step wrote
         return outputs if len(outputs) > 1 else outputs[0]
 
 

@@ -9,20 +9,23 @@ The cached generation loop: prompts in, one token per row per step out.
 Every caller generates through this one loop: generate.py, kv_cache.py's demo (through
 the cached models' generate), the benchmarks, the serving benchmark's static batches and
 the tests.
-Its phases have names:
+Its phases have names, and __iter__ numbers them:
     prefill     the prompts in one pass (left-padded to a common length), each prompt once
                 however many samples it has
-    decode_one  one new token per row through the cache
+    decode      each row's newest token in, its next tokens out: one step, chosen once
+                (generation/steps.py): plain, compiled (compile=True), or speculative
+                (speculate=K and a proposer: the newest token and up to K proposed ones in
+                one pass, the model's agreement kept, the rest rolled back:
+                generation/speculative.py)
     past the context, one of two policies (context_policy):
     reprefill   rows whose context is full keep their newest half and compute it again at
                 positions 0.. (any model)
     evict       "sinks" (StreamingLLM): rows whose context is full forget one token, the
                 oldest after the first few (the sinks), and the rest move down a position
                 by a rotation of their cached keys: no recomputation (rotary models only)
-    speculate   (with speculate=K and a proposer) instead of decode_one: the newest token
-                and up to K proposed ones in one pass, the model's agreement kept, the
-                cache rolled back over the rest (generation/speculative.py)
-and between them sample.py picks each row's token from its logits.
+and between them sample.py picks each row's token from its logits. The batch's rows (the
+cache, the token of each of its columns, the padding) have one owner, generation/rows.py,
+which makes every move on them.
 
 A step may give a row several tokens (speculation); they are handed out one position at a
 time, each yield holding the rows that have a token at that position, so a caller sees
@@ -37,7 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from generation import compiled_step
+from generation.rows import Rows, cache_columns
+from generation.steps import CompiledPlainStep, PlainStep, SpeculativeStep
 from kv_quant import FLOAT_DTYPES
 from sample import check_sampling_args, sample
 
@@ -132,45 +136,31 @@ class Generation:
         finished: rows, the row numbers given a token; tokens (len(rows),), their tokens."""
         if not self.max_new_tokens:  # nothing to generate: no prefill either
             return
-        logits, cache, history = self.prefill()
-        if self.compile:  # with speculation, the step that checks K proposals is the one
-            # compiled, and it returns logits to check them with; otherwise it samples too
-            self.compiled, self.stats.compile_seconds = compiled_step.compile_for(
-                self.model, cache, tokens_per_step=self.speculate + 1,
-                sampling=None if self.proposer else self.sampling, vocab_limit=self.vocab_limit,
-                max_columns=self.columns)
-        if self.proposer:  # it proposes among the ids the model samples from
-            self.proposer.start(self.row_prompts(), self.sampling,
-                                self.vocab_limit or self.model.config.vocab_size,
-                                history.device, self.compile, self.stats)
-        active = list(range(history.size(0)))  # the row number of each row in the batch
-        tokens = self.choose(logits)[:, None]                              # (batch, 1)
+        # 1. prefill: the prompts in one pass, and each row's first token
+        tokens = self.choose(self.prefill())[:, None]                        # (R, 1)
         counts = torch.ones_like(tokens[:, 0])  # row b got tokens[b, :counts[b]] this step
+        step = self.new_step(tokens)
         try:
             while True:
-                if self.proposer:
-                    self.proposer.accept(tokens, counts)
-                yield from self.hand_out(active, tokens, counts)
-                staying = [i for i, row in enumerate(active) if row not in self.finished]
+                yield from self.hand_out(tokens, counts)
+                # 2. the rows that finished leave (with a compiled step they stay, unseen)
+                staying = [i for i, row in enumerate(self.rows.numbers) if row not in self.finished]
                 if not staying:
                     return  # the last token needs no forward pass after it
-                newest = tokens.gather(1, (counts - 1)[:, None])           # (batch, 1)
-                if len(staying) < len(active) and not self.compile:  # finished rows leave
-                    index = torch.tensor(staying, device=history.device)
-                    cache.select_rows(index)
-                    if self.proposer:
-                        self.proposer.select_rows(index)
-                    history, newest = history[index], newest[index]
-                    active = [active[i] for i in staying]
-                if cache.length == self.context_len:  # past the context: make room for one
-                    (self.reprefill if self.context_policy == "reprefill" else self.evict)(cache, history)
-                if self.proposer:
-                    tokens, counts, history = self.speculate_step(newest, cache, history, active)
-                else:
-                    tokens, counts = self.plain_step(newest, cache, history)
+                newest = tokens.gather(1, (counts - 1)[:, None])                # (R, 1)
+                if len(staying) < len(self.rows.numbers) and not step.keeps_every_row:
+                    index = torch.tensor(staying, device=newest.device)
+                    self.rows.select_rows(index)
+                    step.select_rows(index)
+                    newest = newest[index]
+                # 3. past the context: make room for one more column
+                if self.rows.length == self.context_len:
+                    (self.reprefill if self.context_policy == "reprefill" else self.evict)()
+                # 4. decode: each row's newest token in, its next tokens out
+                tokens, counts = step(newest)
         finally:  # also when the caller stops early (a stop string, end of text)
-            self.stats.cache_bytes = max(self.stats.cache_bytes, cache.nbytes())
-            self.stats.cache_positions = cache.length
+            self.stats.cache_bytes = max(self.stats.cache_bytes, self.rows.cache.nbytes())
+            self.stats.cache_positions = self.rows.length
 
     def choose(self, logits):
         """Each row's next token (R,) from its logits (R, V): sample.py's choice. (A caller
@@ -178,23 +168,36 @@ class Generation:
         benchmarks/context_policy.py.)"""
         return sample(logits[:, :self.vocab_limit], **self.sampling)[:, 0]
 
-    def hand_out(self, active, tokens, counts):
+    def new_step(self, first):
+        """The decode step of this generation (generation/steps.py), chosen once. first:
+        each row's first token (R, 1), which a proposer starts from."""
+        if self.proposer:
+            return SpeculativeStep(self, first)
+        return CompiledPlainStep(self) if self.compile else PlainStep(self)
+
+    def hand_out(self, tokens, counts):
         """Yield the step's tokens one position at a time: (rows, tokens) of the rows that
         have a token there and have not finished (with compile, finished rows stay in the
         batch: their tokens are not handed out). A row that reaches max_new_tokens finishes."""
+        numbers = self.rows.numbers
         # one token per row (plain decoding): no need to wait for counts to reach the CPU
-        counts = counts.tolist() if tokens.size(1) > 1 else [1] * len(active)
+        counts = counts.tolist() if tokens.size(1) > 1 else [1] * len(numbers)
         for position in range(tokens.size(1)):
-            keep = [i for i, row in enumerate(active)
+            keep = [i for i, row in enumerate(numbers)
                     if row not in self.finished and counts[i] > position]
             if not keep:
                 return
-            rows = [active[i] for i in keep]
-            yield rows, (tokens[:, position] if len(keep) == len(active) else tokens[keep, position])
+            rows = [numbers[i] for i in keep]
+            yield rows, (tokens[:, position] if len(keep) == len(numbers) else tokens[keep, position])
             for row in rows:
                 self.given[row] += 1
                 if self.given[row] == self.max_new_tokens:
                     self.finished.add(row)
+
+    def remaining(self):
+        """The tokens each row of the batch still needs: 0 for one that has finished."""
+        return [0 if row in self.finished else self.max_new_tokens - self.given[row]
+                for row in self.rows.numbers]
 
     def row_prompts(self):
         """Every row's prompt, as token-id lists (prompt-major, num_samples each)."""
@@ -203,129 +206,47 @@ class Generation:
 
     # ------------------------------------------------------------------------ the phases
 
-    def run_pass(self, tokens, cache):
+    def feed(self, tokens, cache):
         """Logits (B, V) of the last position of tokens (B, T), fed through cache."""
         self.stats.count_pass(tokens.size(1))
         return self.model(tokens, cache, last_only=True)[0][:, -1]
 
     def prefill(self):
-        """Logits (R, V), the cache of R rows, and history (R, context_len): the token of
-        every cache column, kept for reprefill, written as the loop goes on."""
+        """The rows (self.rows: R rows, their cache holding the prompts) and each row's
+        logits (R, V) after its prompt."""
         t0 = time.perf_counter()
         device = self.model.lm_head.weight.device
         tokens, pad = left_pad(self.prompts, self.context_len, device)
-        self.columns = cache_columns(tokens.size(1) + self.max_new_tokens + self.speculate,
-                                     self.context_len, CACHE_COLUMNS_STEP)
+        self.max_columns = cache_columns(tokens.size(1) + self.max_new_tokens + self.speculate,
+                                         self.context_len, CACHE_COLUMNS_STEP)
         # with compile the cache starts short and grows (make_room); eager reads only what
         # is written, so it gets every column it can need at once
-        columns = (cache_columns(tokens.size(1) + self.speculate + 1, self.columns, CACHE_GROWTH)
-                   if self.compile else self.columns)
+        columns = (cache_columns(tokens.size(1) + self.speculate + 1, self.max_columns, CACHE_GROWTH)
+                   if self.compile else self.max_columns)
         cache = self.model.new_cache(tokens.size(0), self.cache_kind, pad, max_len=columns)
-        logits = self.run_pass(tokens, cache)
-        if self.num_samples > 1:  # one prefill, shared: copy its cache and logits to every sample
-            rows = torch.arange(tokens.size(0), device=device).repeat_interleave(self.num_samples)
-            cache.select_rows(rows)
-            logits, tokens = logits[rows], tokens[rows]
-        history = torch.zeros(tokens.size(0), self.context_len, dtype=tokens.dtype, device=device)
-        history[:, :tokens.size(1)] = tokens
+        self.rows = Rows(cache, tokens.size(0), self.context_len, device)
+        self.rows.record(tokens)
+        logits = self.feed(tokens, cache)
+        if self.num_samples > 1:  # one prefill, shared: copy its rows and logits to every sample
+            self.rows.repeat(self.num_samples)
+            logits = logits.repeat_interleave(self.num_samples, dim=0)
         synchronize(device)
         self.stats.cache_bytes = cache.nbytes()
         self.stats.prefill_passes += 1
         self.stats.prefill_seconds = time.perf_counter() - t0
-        return logits, cache, history
+        return logits
 
-    def make_room(self, cache, T):
-        """With compile, grow the cache before a step that would not fit. The compiled step
-        attends over every column of its buffer (masked past the ones written), so a cache
-        the size of the whole generation from the start would be read whole at every step;
-        grown CACHE_GROWTH columns at a time, it is read as it fills. The library takes any
-        column count up to the generation's (compile_for's max_columns): one build."""
-        if cache.length + T > cache.max_len:
-            cache.grow(cache_columns(cache.length + T, self.columns, CACHE_GROWTH))
+    def make_room(self, T):
+        """With compile, grow the cache before a step of T columns that would not fit. The
+        compiled step attends over every column of its buffer (masked past the ones
+        written), so a cache the size of the whole generation from the start would be read
+        whole at every step; grown CACHE_GROWTH columns at a time, it is read as it fills.
+        The library takes any column count up to the generation's (compile_for's
+        max_columns): one build."""
+        if self.rows.length + T > self.rows.columns:
+            self.rows.grow(cache_columns(self.rows.length + T, self.max_columns, CACHE_GROWTH))
 
-    def decode_one(self, tokens, cache):
-        """Logits (R, V) after feeding tokens (R, 1): one position per row."""
-        return self.decode(tokens, cache)[:, -1]
-
-    def plain_step(self, newest, cache, history):
-        """Feed each row's newest token (R, 1), sample the next: (tokens (R, 1), counts (R,))."""
-        history[:, cache.length] = newest[:, 0]
-        if self.compile and not self.proposer:  # the compiled step samples too
-            self.make_room(cache, 1)
-            self.stats.count_pass(1)
-            tokens = self.compiled.decode(newest, cache)[:, None]
-        else:
-            tokens = self.choose(self.decode_one(newest, cache))[:, None]
-        return tokens, torch.ones_like(tokens[:, 0])
-
-    def decode(self, tokens, cache):
-        """Logits (R, T, V) at every position of tokens (R, T) fed through the cache: one
-        token (decode_one), or the newest token and its proposals (speculate_step). Through
-        the compiled step when speculating and T is the width it was compiled for (K + 1);
-        eager otherwise (plain decoding's compiled step samples: plain_step)."""
-        self.stats.count_pass(tokens.size(1))
-        if self.compile:
-            self.make_room(cache, tokens.size(1))
-        if self.compile and self.proposer and tokens.size(1) == self.speculate + 1:
-            return self.compiled.decode(tokens, cache)
-        return self.model(tokens, cache)[0]
-
-    def speculate_step(self, newest, cache, history, active):
-        """Feed each row's newest token (R, 1) and up to K proposals after it in one pass,
-        keep what the model agrees with (speculative.verify), roll the cache back over the
-        rest. Returns (tokens (R, k + 1), counts (R,), history): row b's new tokens are
-        tokens[b, :counts[b]]; history is moved with the cache.
-
-        k is at most K, and as many as fit before the context ends: a proposal past it would
-        be computed without the reprefill that plain decoding does there, and the text would
-        change. Rows moved right by rollbacks leave padding columns that every row has;
-        those are dropped first when they are what stands in the way."""
-        k = self.room_for_proposals(cache, history, active)
-        proposals = self.proposer.propose(k) if k else None
-        if proposals is not None and not (self.compile and k == self.speculate):
-            k = int(proposals.counts.max())  # no column for proposals no row has
-            proposals.trim(k)
-        if not k:  # nothing to check
-            return *self.plain_step(newest, cache, history), history
-        fed = torch.cat([newest, proposals.tokens], dim=1)              # (R, 1 + k)
-        history[:, cache.length:cache.length + k + 1] = fed
-        logits = self.decode(fed, cache)                                # (R, 1 + k, V)
-        tokens, counts = self.proposer.verify(logits[..., :self.vocab_limit], proposals)
-        # none past max_new_tokens; rows that finished (kept by compile) count for nothing
-        remaining = torch.tensor([0 if row in self.finished else self.max_new_tokens - self.given[row]
-                                  for row in active], device=counts.device)
-        counts = torch.minimum(counts, remaining.clamp(min=1))
-        live = remaining > 0
-        self.stats.verify_passes += 1
-        self.stats.proposed += int(proposals.counts.minimum(remaining - 1)[live].sum())
-        self.stats.accepted += int((counts - 1)[live].sum())
-        # keep the newest token and the accepted proposals: the last k + 1 - counts columns go
-        pad = cache.pad if cache.pad is not None else torch.zeros_like(counts)
-        cache.rollback(cache.length - pad - (k + 1 - counts))
-        shift = (cache.pad if cache.pad is not None else torch.zeros_like(pad)) - pad
-        if shift.any():  # history is by column: it moves right with each row's cache
-            columns = torch.arange(cache.length, device=shift.device) - shift[:, None]
-            history[:, :cache.length] = history.gather(1, columns.clamp(min=0))
-        return tokens, counts, history
-
-    def room_for_proposals(self, cache, history, active):
-        """How many proposals the next step may check: K, or fewer where the context ends
-        (a step feeds k + 1 columns and the cache has context_len) or where no row needs
-        that many more tokens. Past the context the sinks policy frees one column per step
-        (evict), so there a step checks none: freeing k + 1 would show the first token fed
-        a window that plain decoding never shows it, and the text would change."""
-        needed = max(self.max_new_tokens - self.given[row] for row in active
-                     if row not in self.finished) - 1
-        # compiled: always K, the one shape compiled (filler costs nothing in a static step)
-        k = self.speculate if self.compile else min(self.speculate, needed)
-        if cache.pad is not None and cache.length + k + 1 > self.context_len:
-            common = int(cache.pad.min())  # padding columns every row has: drop them
-            if common:
-                cache.drop_oldest(common)
-                history[:, :cache.length] = history[:, common:common + cache.length].clone()
-        return max(0, min(k, self.context_len - 1 - cache.length))
-
-    def reprefill(self, cache, history):
+    def reprefill(self):
         """The cache is full (context_len columns): make room for one more.
 
         Learned positions end at context_len, and a cache cannot slide under them (every
@@ -337,27 +258,25 @@ class Generation:
 
         With left padding, rows fill up at different steps; each row must reprefill
         exactly when it would alone, or its text would change. So only the full rows are
-        recomputed; every row moves left by the same number of columns (the shortest
-        padding), which keeps the other rows' keys as they are: positions are per row.
-        history (R, context_len) holds the tokens by column, and moves with the cache."""
-        keep = max(1, self.context_len // 2)
-        self.stats.cache_bytes = max(self.stats.cache_bytes, cache.nbytes())  # torch.cat's peak
-        pad = cache.pad if cache.pad is not None else torch.zeros_like(history[:, 0])
-        context = cache.length - pad                      # (R,) tokens in each row
+        recomputed, from the rows' history; every row moves left by the same number of
+        columns (the shortest padding), which keeps the other rows' keys as they are:
+        positions are per row."""
+        rows, keep = self.rows, max(1, self.context_len // 2)
+        self.stats.cache_bytes = max(self.stats.cache_bytes, rows.cache.nbytes())  # torch.cat's peak
+        context = rows.length - rows.pad                  # (R,) tokens in each row
         full = context == self.context_len
         context = torch.where(full, keep - 1, context)    # what each row keeps
         new_length = int(context.max())
-        shift = cache.length - new_length                 # >= 1: a full row drops half
-        history[:, :new_length] = history[:, shift:cache.length].clone()
-        cache.drop_oldest(shift, pad=new_length - context)
-        rows = full.nonzero()[:, 0]
-        if keep > 1 and rows.numel():  # with keep == 1 a full row keeps no old token
-            fresh = cache.empty_like(rows.numel())
-            self.run_pass(history[rows, new_length - (keep - 1):new_length], fresh)
-            cache.write_rows(rows, fresh, new_length - (keep - 1))
-        self.stats.reprefills += bool(rows.numel())  # else only padding was dropped
+        rows.drop_oldest(rows.length - new_length, pad=new_length - context)  # >= 1: a full row drops half
+        full = full.nonzero()[:, 0]
+        if keep > 1 and full.numel():  # with keep == 1 a full row keeps no old token
+            start = new_length - (keep - 1)
+            fresh = self.model.new_cache(full.numel(), self.cache_kind, max_len=rows.columns)
+            self.feed(rows.history[full, start:new_length], fresh)
+            rows.write_rows(full, fresh, start)
+        self.stats.reprefills += bool(full.numel())  # else only padding was dropped
 
-    def evict(self, cache, history):
+    def evict(self):
         """The cache is full: make room for one more, the sinks policy's way (StreamingLLM).
 
         A row whose context is full forgets one token: the oldest after its first `sinks`
@@ -371,13 +290,9 @@ class Generation:
 
         With left padding a row that is not full forgets one of its padding columns
         instead, as it would forget nothing alone; its positions do not change."""
-        pad = cache.pad if cache.pad is not None else torch.zeros_like(history[:, 0])
-        column = torch.where(pad > 0, 0, self.sinks)   # (R,): the column each row forgets
-        kept = torch.arange(cache.length - 1, device=history.device)
-        kept = kept + (kept >= column[:, None])         # (R, length - 1): history moves with the cache
-        history[:, :cache.length - 1] = history[:, :cache.length].gather(1, kept)
-        cache.forget_column(column)
-        self.model.move_keys(cache, self.sinks, (pad == 0).long())  # only full rows' tokens moved
+        full = self.rows.pad == 0
+        self.rows.forget_column(torch.where(full, self.sinks, 0))  # (R,): the column each row forgets
+        self.model.move_keys(self.rows.cache, self.sinks, full.long())  # only full rows' tokens moved
         self.stats.evictions += 1
 
 
@@ -417,18 +332,6 @@ def generate_tokens(model, prompts, max_new_tokens, **options):
     if steps:
         out[rows, columns] = torch.cat([tokens for _, tokens in steps])
     return out
-
-
-def cache_columns(needed, limit, step):
-    """Positions a cache holds when it must hold `needed`: rounded up to a multiple of
-    step, at most limit. A generation's whole cache: what it can reach (its prompt, its new
-    tokens and a speculative step's proposals past the last) in steps of CACHE_COLUMNS_STEP,
-    at most the context (a longer generation moves within a full cache: the context
-    policies); a compiled cache as it grows: steps of CACHE_GROWTH, at most that. Why not
-    always the whole context: the compiled step attends over every column of the buffer,
-    the unwritten ones masked, and at GPT-2 small a 1024-column cache is 75 MB read per
-    token, more than half the bytes of its int8 weights (docs/benchmarks.md)."""
-    return min(limit, -(-needed // step) * step)
 
 
 def left_pad(prompts, context_len, device):

@@ -12,7 +12,7 @@ the model's own distribution after each of them in that one pass, and keeps:
     model:     p0  p1  p2  p3  p4         p_i: the model's distribution after d1..d_i
     greedy:    d1 == argmax p0? yes, d2 == argmax p1? yes, d3 == argmax p2? no
     emitted:   d1  d2  argmax(p2)         3 tokens for one pass of the model
-    the cache: forgets d3 and d4 (kv_cache.GenerationCache.rollback)
+    the cache: forgets d3 and d4 (generation/rows.py, Rows.rollback)
 
 Every emitted token is one the model would have chosen itself, so greedy text is the same
 as plain decoding's, token for token. Sampling keeps the distribution exactly with the
@@ -37,6 +37,7 @@ import torch
 
 from generation import compiled_step
 from generation.loop import left_pad
+from generation.rows import Rows
 from sample import probabilities, sample
 
 
@@ -113,7 +114,7 @@ class Proposer:
                                token ids below it), the device
         accept(tokens, counts) after every step: row b was given tokens[b, :counts[b]]
         propose(k)             Proposals of at most k tokens per row, for the next step
-        select_rows(index)     rows leave (finished) or repeat, as the loop's cache does
+        select_rows(index)     rows leave (finished) or repeat, as the loop's rows do
     Every proposer keeps each row's text so far (prompt and tokens given)."""
 
     def start(self, prompts, sampling=None, vocab_limit=None, device="cpu", compile=False,
@@ -221,32 +222,34 @@ class DraftModel(Proposer):
         self.drafted = None
         self.restart(keep=self.context_len)
         if compile:  # a step of one token that returns logits: proposals need q, not a draw
-            self.compiled, seconds = compiled_step.compile_for(self.model, self.cache)
+            self.compiled, seconds = compiled_step.compile_for(self.model, self.rows.cache)
             stats.compile_seconds += seconds
 
     def restart(self, keep):
-        """An empty cache, and each row's last `keep` tokens to feed (left-padded)."""
+        """Empty rows, and each row's last `keep` tokens to feed (left-padded)."""
         tokens, pad = left_pad([text[-keep:] for text in self.texts], self.context_len, self.device)
-        self.cache = self.model.new_cache(tokens.size(0), pad=pad)
+        cache = self.model.new_cache(tokens.size(0), pad=pad)
         if self.compile:  # the compiled step reads every column (masked): no NaN bits in them
-            self.cache.kv.zero_()
+            cache.kv.zero_()
+        self.rows = Rows(cache, tokens.size(0), self.context_len, self.device)
         self.unfed = tokens
 
     def forward(self, tokens):
         """Logits (R, V) after feeding tokens (R, T) through the draft's cache."""
         self.stats.draft_passes += 1
+        self.rows.record(tokens)
         if self.compile and tokens.size(1) == 1:
-            return self.compiled.decode(tokens, self.cache)[:, -1]
-        return self.model(tokens, self.cache, last_only=True)[0][:, -1]
+            return self.compiled.decode(tokens, self.rows.cache)[:, -1]
+        return self.model(tokens, self.rows.cache, last_only=True)[0][:, -1]
 
     def propose(self, k):
         R, n = len(self.texts), min(k, self.context_len - 1)  # n: the drafts, k - n filler
         if n == 0:  # a draft with a context of one position has nothing to go on
             return Proposals(torch.zeros(R, k, dtype=torch.long, device=self.device),
                              torch.zeros(R, dtype=torch.long, device=self.device))
-        if self.cache.length + self.unfed.size(1) + n > self.context_len:
+        if self.rows.length + self.unfed.size(1) + n > self.context_len:
             self.restart(keep=min(self.context_len // 2, self.context_len - n))
-        self.held = self.cache.length + self.unfed.size(1)  # columns before the drafts
+        self.held = self.rows.length + self.unfed.size(1)  # columns before the drafts
         logits = self.forward(self.unfed)
         tokens = torch.zeros(R, k, dtype=torch.long, device=self.device)
         probs = None
@@ -276,13 +279,12 @@ class DraftModel(Proposer):
         accepted = counts - 1                                       # (R,)
         if (accepted == self.drafted.size(1)).any():  # a row took every draft: feed the last
             self.forward(self.drafted[:, -1:])
-        pad = self.cache.pad if self.cache.pad is not None else 0
-        self.cache.rollback(self.held - pad + accepted)
+        self.rows.rollback(self.held - self.rows.pad + accepted)
         self.unfed, self.drafted = newest, None
 
     def select_rows(self, index):
         super().select_rows(index)
-        self.cache.select_rows(index)
+        self.rows.select_rows(index)
         self.unfed = self.unfed[index]
 
     def describe(self):

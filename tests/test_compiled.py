@@ -16,6 +16,7 @@ from base_model import GPTConfig
 from conftest import tiny_model
 from generation import compiled_step, loop
 from generation.loop import Generation, GenerationStats, generate_tokens
+from generation.rows import Rows
 from kv_cache import KVCache
 from kv_quant import cache_bytes
 from sample import probabilities
@@ -64,12 +65,12 @@ def test_the_cache_grows_as_it_fills(builds, monkeypatch):
     short one is a faster step), one build taking them all; the tokens are the eager
     loop's, with left padding and through reprefills past the context."""
     monkeypatch.setattr(loop, "CACHE_GROWTH", 4)
-    sizes, grow = [], KVCache.grow
+    sizes, grow = [], Rows.grow
 
-    def noted(self, max_len):
-        sizes.append(max_len)
-        grow(self, max_len)
-    monkeypatch.setattr(KVCache, "grow", noted)
+    def noted(self, columns):
+        sizes.append(columns)
+        grow(self, columns)
+    monkeypatch.setattr(Rows, "grow", noted)
     model = tiny_model(CONFIG, seed=27)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]  # padded to 5 columns: the cache starts with 8
     n = 2 * CONFIG.context_len

@@ -95,7 +95,6 @@ def test_float_kinds_are_the_preallocated_cache():
     k_all, _ = cache.update(0, k, k)
     assert k_all.dtype == torch.float32  # attention runs in the model's dtype
     assert torch.equal(k_all, k.to(torch.bfloat16).float())
-    assert cache.empty_like(3).kv.dtype == torch.bfloat16
 
 
 class RoundedCache(ConcatCache):
@@ -143,7 +142,7 @@ def test_logits_close_to_float32_cache(config, kind):
 @pytest.mark.parametrize("kind", ["bfloat16", "int8", "int4"])
 def test_batches_reprefill_and_shrink_as_each_row_alone(kind):
     # left padding, reprefill past the context (10x the context), one prefill shared by
-    # num_samples (select_rows), rows that finish: every row as it would be alone. Exact:
+    # num_samples (Rows.repeat), rows that finish: every row as it would be alone. Exact:
     # a row's rounding never depends on the other rows.
     model = tiny_model(SHORT, seed=12)
     prompts = random_prompts([1, 7, 20, 40], SHORT.vocab_size, seed=1)

@@ -1,5 +1,5 @@
 """Speculative decoding (generation/speculative.py) and the rollback it needs from every
-cache kind (kv_cache.GenerationCache.rollback, the paged pool's Scheduler.rollback).
+cache kind (generation/rows.py's Rows.rollback, the paged pool's Scheduler.rollback).
 
 Greedy: token equality with plain decoding is exact, for every proposer, cache kind and
 batch; the verification pass computes the same logits in one (B, K + 1) matmul instead
@@ -27,6 +27,7 @@ from base_model import GPTConfig
 from conftest import random_prompts, run_script, tiny_model
 from generation import loop, speculative
 from generation.loop import Generation, GenerationStats, generate_tokens, left_pad
+from generation.rows import Rows
 from generation.speculative import DraftModel, PromptLookup
 from plumbing.checkpoint import BUNDLED
 from sample import probabilities
@@ -215,20 +216,25 @@ def test_the_distribution_test_catches_a_wrong_rule(small, monkeypatch):
 @pytest.mark.parametrize("kind", ["cat", None, "bfloat16", "int8", "int4"])
 def test_rollback_per_row_forgets_exactly_what_was_fed_after(model, kind):
     """Rows of a padded batch roll back by different amounts; what follows gives each row
-    the logits of a cache that never saw the forgotten tokens."""
+    the logits of a cache that never saw the forgotten tokens, and the history moves with
+    the cache: each row's tokens stay right-aligned."""
     prompts = random_prompts([3, 9, 6], seed=5)
     extra = random_prompts([5, 5, 5], seed=6)
     keep = [5, 1, 3]                     # of the 5 extra tokens, per row
     after = random_prompts([2, 2, 2], seed=7)
     tokens, pad = left_pad(prompts, CONFIG.context_len, "cpu")
-    cache = model.new_cache(3, kind, pad)
+    rows = Rows(model.new_cache(3, kind, pad), 3, CONFIG.context_len, "cpu")
     with torch.no_grad():
-        model(tokens, cache)
-        model(torch.tensor(extra), cache)
+        for fed in (tokens, torch.tensor(extra)):
+            rows.record(fed)
+            model(fed, rows.cache)
         held = torch.tensor([len(p) + 5 for p in prompts])
-        cache.rollback(held - 5 + torch.tensor(keep))
-        assert cache.length == tokens.size(1) + 5 and cache.pad.tolist() == [6 + 0, 0 + 4, 3 + 2]
-        logits = model(torch.tensor(after), cache)[0]
+        rows.rollback(held - 5 + torch.tensor(keep))
+        assert rows.length == tokens.size(1) + 5 and rows.cache.pad.tolist() == [6 + 0, 0 + 4, 3 + 2]
+        for b in range(3):
+            kept = prompts[b] + extra[b][:keep[b]]
+            assert rows.history[b, rows.length - len(kept):rows.length].tolist() == kept
+        logits = model(torch.tensor(after), rows.cache)[0]
         for b in range(3):
             alone = model.new_cache(1, kind)
             model(torch.tensor([prompts[b] + extra[b][:keep[b]]]), alone)
@@ -237,13 +243,13 @@ def test_rollback_per_row_forgets_exactly_what_was_fed_after(model, kind):
 
 
 def test_rollback_refuses_to_keep_what_a_row_does_not_hold(model):
-    cache = model.new_cache(2, pad=torch.tensor([0, 2]))
+    rows = Rows(model.new_cache(2, pad=torch.tensor([0, 2])), 2, CONFIG.context_len, "cpu")
     with torch.no_grad():
-        model(torch.zeros(2, 4, dtype=torch.long), cache)
+        model(torch.zeros(2, 4, dtype=torch.long), rows.cache)
     with pytest.raises(ValueError, match="rollback"):
-        cache.rollback(torch.tensor([4, 3]))  # row 1 holds 2 positions
-    cache.rollback(torch.tensor([0, 2]))       # forgetting everything is allowed
-    assert cache.length == 4 and cache.pad.tolist() == [4, 2]
+        rows.rollback(torch.tensor([4, 3]))  # row 1 holds 2 positions
+    rows.rollback(torch.tensor([0, 2]))       # forgetting everything is allowed
+    assert rows.length == 4 and rows.cache.pad.tolist() == [4, 2] and rows.pad.tolist() == [4, 2]
 
 
 # ---------------------------------------------------------------------------- the command

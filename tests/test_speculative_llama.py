@@ -16,6 +16,7 @@ import torch
 from base_model import GPTConfig
 from conftest import byte_tokenizer_spec, run_script, spread_out, tiny_model
 from generation.loop import GenerationStats, generate_tokens, left_pad
+from generation.rows import Rows
 from generation.speculative import DraftModel, PromptLookup
 from kv_cache import KVCacheLlama
 from llama import LlamaConfig
@@ -92,13 +93,13 @@ def test_rollback_per_row_keeps_rotated_keys_where_they_are(kind):
     keep = [5, 1, 3]                     # of the 5 extra tokens, per row
     after = torch.randint(256, (3, 2), generator=g)
     tokens, pad = left_pad(rows, model.config.context_len, "cpu")
-    cache = model.new_cache(3, kind, pad)
+    batch = Rows(model.new_cache(3, kind, pad), 3, model.config.context_len, "cpu")
     with torch.no_grad():
-        model(tokens, cache)
-        model(extra, cache)
-        cache.rollback(torch.tensor([len(r) + k for r, k in zip(rows, keep)]))
-        assert cache.pad.tolist() == [6 + 0, 0 + 4, 3 + 2]  # rows 1 and 2 moved right
-        logits = model(after, cache)[0]
+        model(tokens, batch.cache)
+        model(extra, batch.cache)
+        batch.rollback(torch.tensor([len(r) + k for r, k in zip(rows, keep)]))
+        assert batch.cache.pad.tolist() == [6 + 0, 0 + 4, 3 + 2]  # rows 1 and 2 moved right
+        logits = model(after, batch.cache)[0]
         for b in range(3):
             alone = model.new_cache(1, kind)
             model(torch.tensor([rows[b] + extra[b, :keep[b]].tolist()]), alone)
