@@ -13,13 +13,14 @@ once and kept. forward() changes in three places, marked (1) (2) (3) in the code
 The parameters are untouched, so any base_model.GPT (llama.Llama) checkpoint loads into
 KVCacheGPT (KVCacheLlama) unchanged.
 
-Read it in this order: the caches (what `cache.update` does), then CachedModel.forward (the
-change, for both families), then how each family places a position (KVCacheGPT.embed_at: a
-row of the position table; KVCacheLlama.embed_at: rotary angles). The loop that generates
-with them is generation/loop.py. Run `python kv_cache.py` for the demo (demo/kv_cache_demo.py):
-parity with a full forward, speed with and without the cache, its size (`--ckpt
-checkpoints/shakespeare-llama/ckpt.pt`: what fewer heads save), a batch, and speculative
-decoding (the cache rolled back).
+Read it in this order: what a cache offers attention (Cache, just below), then
+CachedModel.forward (the change, for both families), then how each family places a
+position (KVCacheGPT.embed_at: a row of the position table; KVCacheLlama.embed_at: rotary
+angles), then the two kinds of cache (ConcatCache, the seed's torch.cat; KVCache, one
+preallocated buffer). The loop that generates with them is generation/loop.py. Run
+`python kv_cache.py` for the demo (demo/kv_cache_demo.py): parity with a full forward,
+speed with and without the cache, its size (`--ckpt checkpoints/shakespeare-llama/ckpt.pt`:
+what fewer heads save), a batch, and speculative decoding (the cache rolled back).
 """
 
 import torch
@@ -68,139 +69,6 @@ class Cache:
         # group of n_head / n_kv_head query heads read one stored head, without copying it
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                               enable_gqa=k.size(1) != q.size(1))
-
-
-class ConcatCache(Cache):
-    """The seed's cache: a list of per-layer (k, v), each (B, nh, length, hd), grown by
-    torch.cat. Simple, and what forward() takes when a caller passes the seed's list (it
-    reads as that list: cache[layer] is the layer's (k, v)); but every step copies the whole
-    past (O(t) bytes per step, O(T^2) per generation)."""
-
-    def __init__(self, n_layer, layers=None, pad=None):
-        self.n_layer, self.pad = n_layer, pad
-        self.layers = list(layers or [])  # a copy: the caller's list stays as it was
-        self.length = self.layers[0][0].size(2) if self.layers else 0
-
-    def update(self, layer, k, v):
-        if layer < len(self.layers):
-            pk, pv = self.layers[layer]     # (B, nh, past_len, hd)
-            k = torch.cat([pk, k], dim=2)   # THE cache step: reuse, don't recompute
-            v = torch.cat([pv, v], dim=2)
-            self.layers[layer] = (k, v)
-        else:
-            self.layers.append((k, v))
-        if layer == self.n_layer - 1:
-            self.length = k.size(2)
-        return k, v
-
-    def __len__(self):
-        return len(self.layers)
-
-    def __getitem__(self, layer):
-        return self.layers[layer]
-
-    def nbytes(self):
-        return sum(k.nbytes + v.nbytes for k, v in self.layers)
-
-    def tensors(self):
-        """The tensors that hold its columns: k and v of every layer, (B, nh, length, hd)
-        each (rows on dim -4, columns on dim -2, as KVCache's buffer)."""
-        return [t for kv in self.layers for t in kv]
-
-    def hold(self, tensors, length):
-        """Hold `tensors` (tensors()'s layout), their first `length` columns: a ConcatCache
-        keeps no more columns than it has filled, as torch.cat grows it."""
-        kept = [t[..., :length, :] for t in tensors]
-        self.layers, self.length = list(zip(kept[0::2], kept[1::2])), length
-
-    def map_keys(self, start, fn):
-        """Replace the keys of columns start.. of every layer, k (..., B, nh, length - start,
-        hd) (one layer's, or every layer's at once), by fn(k), which keeps the shape (the
-        sinks policy turns them to the positions they have moved to: model.move_keys)."""
-        self.layers = [(torch.cat([k[:, :, :start], fn(k[:, :, start:])], dim=2), v)
-                       for k, v in self.layers]
-
-
-class KVCache(Cache):
-    """A preallocated cache: one buffer (n_layer, 2, B, nh, max_len, width) for every layer's
-    k and v, allocated once and written in place, so a step writes only its own columns
-    where torch.cat copies the whole past. The default kind.
-
-    kv_dtype says how keys and values are stored (kv_quant.py): as the model computes
-    (default: the model's dtype), another float dtype, or int8/int4 codes with their
-    scales. update() writes new columns through the format's encode() and reads the cache
-    back through its decode(); for the model's own dtype both do nothing, and attention
-    reads views of the buffer."""
-
-    def __init__(self, config, batch_size, device=None, dtype=torch.float32, max_len=None,
-                 kv_dtype=None, pad=None):
-        self.config, self.dtype, self.max_len = config, dtype, max_len or config.context_len
-        self.kv_dtype = kv_dtype or dtype_name(dtype)
-        self.format = storage_format(self.kv_dtype, config.head_dim, dtype)
-        shape = (config.n_layer, 2, batch_size, config.n_kv_head, self.max_len,
-                 self.format.width(config.head_dim))
-        # empty, not zeros: a position is always written before it is read, and zeroing
-        # GPT-2's 75 MB cache would cost every generation a pass over it
-        self.kv = torch.empty(shape, device=device, dtype=self.format.storage_dtype)
-        self.length, self.pad = 0, pad
-
-    def update(self, layer, k, v):
-        T = k.size(2)  # new positions, written at columns length .. end - 1
-        end = self.length + T
-        if end > self.max_len:
-            raise ValueError(f"KVCache holds {self.max_len} positions; {end} do not fit")
-        # the layer's keys and values, (B, nh, max_len, width) each: views of the buffer, taken
-        # once and then narrowed (narrow(2, start, n) is [:, :, start:start + n]) rather than
-        # indexing the 6-d buffer again for every write and read
-        keys, values = self.kv[layer, 0], self.kv[layer, 1]
-        keys.narrow(2, self.length, T).copy_(self.format.encode(k))  # in place; the past is not copied
-        values.narrow(2, self.length, T).copy_(self.format.encode(v))
-        if layer == len(self.kv) - 1:
-            self.length = end
-        k_all, v_all = keys.narrow(2, 0, end), values.narrow(2, 0, end)  # (B, nh, end, width)
-        return self.format.decode(k_all), self.format.decode(v_all)
-
-    def __len__(self):
-        return self.kv.size(0)
-
-    def __getitem__(self, layer):
-        """(k, v) of one layer, (B, nh, length, hd) each, in the model's dtype: the seed's
-        list entry."""
-        k, v = self.kv[layer, :, :, :, :self.length]
-        return self.format.decode(k), self.format.decode(v)
-
-    def nbytes(self):
-        return self.kv.nbytes
-
-    def tensors(self):
-        """The tensor that holds its columns: the buffer, (n_layer, 2, B, nh, max_len,
-        width) (rows on dim -4, columns on dim -2, as ConcatCache's tensors), its bytes as
-        the format stores them."""
-        return [self.kv]
-
-    def hold(self, tensors, length):
-        """Hold `tensors` (tensors()'s layout: one buffer, of any number of rows and
-        columns), its first `length` columns filled."""
-        self.kv, = tensors
-        self.max_len, self.length = self.kv.size(4), length
-
-    def map_keys(self, start, fn):
-        keys = self.kv[:, 0, :, :, start:self.length]  # (n_layer, B, nh, columns, width): every layer at once
-        keys.copy_(self.format.encode(fn(self.format.decode(keys))))
-
-
-def as_cache(past_kv, n_layer):
-    """The seed's list of per-layer (k, v) (or None: nothing cached yet) as a ConcatCache;
-    any Cache as it is."""
-    if isinstance(past_kv, Cache):
-        return past_kv
-    if past_kv is not None and not isinstance(past_kv, (list, tuple)):
-        raise TypeError(
-            f"forward(idx, past_kv): past_kv is a cache (a list of per-layer (k, v) or a Cache), "
-            f"got {type(past_kv).__name__}; to train with targets call the naive model's "
-            "forward, base_model.GPT.forward(model, idx, targets) (llama.Llama.forward for a "
-            "Llama): the parameters are the same")
-    return ConcatCache(n_layer, past_kv)
 
 
 # ---------------------------------------------------------------------------- the model
@@ -371,6 +239,141 @@ class KVCacheLlama(CachedModel, Llama):
 
 # family -> the cached class, for the loaders (plumbing's NAIVE_MODELS are the naive ones)
 CACHED_MODELS = {"gpt": KVCacheGPT, "llama": KVCacheLlama}
+
+
+# ---------------------------------------------------------------------------- two kinds of cache
+
+class ConcatCache(Cache):
+    """The seed's cache: a list of per-layer (k, v), each (B, nh, length, hd), grown by
+    torch.cat. Simple, and what forward() takes when a caller passes the seed's list (it
+    reads as that list: cache[layer] is the layer's (k, v)); but every step copies the whole
+    past (O(t) bytes per step, O(T^2) per generation)."""
+
+    def __init__(self, n_layer, layers=None, pad=None):
+        self.n_layer, self.pad = n_layer, pad
+        self.layers = list(layers or [])  # a copy: the caller's list stays as it was
+        self.length = self.layers[0][0].size(2) if self.layers else 0
+
+    def update(self, layer, k, v):
+        if layer < len(self.layers):
+            pk, pv = self.layers[layer]     # (B, nh, past_len, hd)
+            k = torch.cat([pk, k], dim=2)   # THE cache step: reuse, don't recompute
+            v = torch.cat([pv, v], dim=2)
+            self.layers[layer] = (k, v)
+        else:
+            self.layers.append((k, v))
+        if layer == self.n_layer - 1:
+            self.length = k.size(2)
+        return k, v
+
+    def __len__(self):
+        return len(self.layers)
+
+    def __getitem__(self, layer):
+        return self.layers[layer]
+
+    def nbytes(self):
+        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+
+    def tensors(self):
+        """The tensors that hold its columns: k and v of every layer, (B, nh, length, hd)
+        each (rows on dim -4, columns on dim -2, as KVCache's buffer)."""
+        return [t for kv in self.layers for t in kv]
+
+    def hold(self, tensors, length):
+        """Hold `tensors` (tensors()'s layout), their first `length` columns: a ConcatCache
+        keeps no more columns than it has filled, as torch.cat grows it."""
+        kept = [t[..., :length, :] for t in tensors]
+        self.layers, self.length = list(zip(kept[0::2], kept[1::2])), length
+
+    def map_keys(self, start, fn):
+        """Replace the keys of columns start.. of every layer, k (..., B, nh, length - start,
+        hd) (one layer's, or every layer's at once), by fn(k), which keeps the shape (the
+        sinks policy turns them to the positions they have moved to: model.move_keys)."""
+        self.layers = [(torch.cat([k[:, :, :start], fn(k[:, :, start:])], dim=2), v)
+                       for k, v in self.layers]
+
+
+class KVCache(Cache):
+    """A preallocated cache: one buffer (n_layer, 2, B, nh, max_len, width) for every layer's
+    k and v, allocated once and written in place, so a step writes only its own columns
+    where torch.cat copies the whole past. The default kind.
+
+    kv_dtype says how keys and values are stored (kv_quant.py): as the model computes
+    (default: the model's dtype), another float dtype, or int8/int4 codes with their
+    scales. update() writes new columns through the format's encode() and reads the cache
+    back through its decode(); for the model's own dtype both do nothing, and attention
+    reads views of the buffer."""
+
+    def __init__(self, config, batch_size, device=None, dtype=torch.float32, max_len=None,
+                 kv_dtype=None, pad=None):
+        self.config, self.dtype, self.max_len = config, dtype, max_len or config.context_len
+        self.kv_dtype = kv_dtype or dtype_name(dtype)
+        self.format = storage_format(self.kv_dtype, config.head_dim, dtype)
+        shape = (config.n_layer, 2, batch_size, config.n_kv_head, self.max_len,
+                 self.format.width(config.head_dim))
+        # empty, not zeros: a position is always written before it is read, and zeroing
+        # GPT-2's 75 MB cache would cost every generation a pass over it
+        self.kv = torch.empty(shape, device=device, dtype=self.format.storage_dtype)
+        self.length, self.pad = 0, pad
+
+    def update(self, layer, k, v):
+        T = k.size(2)  # new positions, written at columns length .. end - 1
+        end = self.length + T
+        if end > self.max_len:
+            raise ValueError(f"KVCache holds {self.max_len} positions; {end} do not fit")
+        # the layer's keys and values, (B, nh, max_len, width) each: views of the buffer, taken
+        # once and then narrowed (narrow(2, start, n) is [:, :, start:start + n]) rather than
+        # indexing the 6-d buffer again for every write and read
+        keys, values = self.kv[layer, 0], self.kv[layer, 1]
+        keys.narrow(2, self.length, T).copy_(self.format.encode(k))  # in place; the past is not copied
+        values.narrow(2, self.length, T).copy_(self.format.encode(v))
+        if layer == len(self.kv) - 1:
+            self.length = end
+        k_all, v_all = keys.narrow(2, 0, end), values.narrow(2, 0, end)  # (B, nh, end, width)
+        return self.format.decode(k_all), self.format.decode(v_all)
+
+    def __len__(self):
+        return self.kv.size(0)
+
+    def __getitem__(self, layer):
+        """(k, v) of one layer, (B, nh, length, hd) each, in the model's dtype: the seed's
+        list entry."""
+        k, v = self.kv[layer, :, :, :, :self.length]
+        return self.format.decode(k), self.format.decode(v)
+
+    def nbytes(self):
+        return self.kv.nbytes
+
+    def tensors(self):
+        """The tensor that holds its columns: the buffer, (n_layer, 2, B, nh, max_len,
+        width) (rows on dim -4, columns on dim -2, as ConcatCache's tensors), its bytes as
+        the format stores them."""
+        return [self.kv]
+
+    def hold(self, tensors, length):
+        """Hold `tensors` (tensors()'s layout: one buffer, of any number of rows and
+        columns), its first `length` columns filled."""
+        self.kv, = tensors
+        self.max_len, self.length = self.kv.size(4), length
+
+    def map_keys(self, start, fn):
+        keys = self.kv[:, 0, :, :, start:self.length]  # (n_layer, B, nh, columns, width): every layer at once
+        keys.copy_(self.format.encode(fn(self.format.decode(keys))))
+
+
+def as_cache(past_kv, n_layer):
+    """The seed's list of per-layer (k, v) (or None: nothing cached yet) as a ConcatCache;
+    any Cache as it is."""
+    if isinstance(past_kv, Cache):
+        return past_kv
+    if past_kv is not None and not isinstance(past_kv, (list, tuple)):
+        raise TypeError(
+            f"forward(idx, past_kv): past_kv is a cache (a list of per-layer (k, v) or a Cache), "
+            f"got {type(past_kv).__name__}; to train with targets call the naive model's "
+            "forward, base_model.GPT.forward(model, idx, targets) (llama.Llama.forward for a "
+            "Llama): the parameters are the same")
+    return ConcatCache(n_layer, past_kv)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch  # noqa: E402
 
 from benchmarks.timing import repeat, spread  # noqa: E402
 from generation.loop import generate_tokens, synchronize  # noqa: E402
+from generation.rows import Rows  # noqa: E402
 from kv_cache import CACHED_MODELS  # noqa: E402
 from kv_quant import (INT4_GROUP_SIZE, KV_DTYPES, cache_bytes, dequantize, group_size,  # noqa: E402
                       head_bytes, head_bytes_text, quantize)
@@ -47,13 +48,13 @@ def kv_dtype_latency(model, shape, position, batch_sizes, reps, steps=8):
         result["dtypes"][kv] = rows = {}
         for b in batch_sizes:
             def step_and_read_ms():
-                cache = copy.copy(prefilled)  # select_rows gives the copy its own tensors
-                cache.select_rows(torch.zeros(b, dtype=torch.long, device=device))
+                cache = copy.copy(prefilled)  # Rows.select_rows gives the copy its own tensors
+                Rows(cache, 1, position, device).select_rows(torch.zeros(b, dtype=torch.long, device=device))
                 token, times = torch.zeros(b, 1, dtype=torch.long, device=device), []
                 for _ in range(steps):
                     synchronize(device)
                     t0 = time.perf_counter()
-                    model(token, cache, last_only=True)  # what the loop's decode_one runs
+                    model(token, cache, last_only=True)  # what the loop's PlainStep runs
                     synchronize(device)
                     times.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()

@@ -13,6 +13,7 @@ import time
 import torch
 
 from generation.loop import GenerationStats, generate_tokens, synchronize
+from generation.rows import Rows
 from generation.speculative import PromptLookup, verify
 from kv_quant import KV_DTYPES, cache_bytes, cache_formula, dtype_name
 from plumbing.checkpoint import NAIVE_MODELS
@@ -192,7 +193,9 @@ def speculative_step_by_hand(model, tokenizer, ids, k, n):
     accepted = int(counts[0]) - 1
     print(f"   one pass over the newest token + {len(proposed)} proposals: the cache holds "
           f"{cache.length}; the model's own choices {show(tokens[0].tolist())}")
-    cache.rollback(torch.tensor([end + accepted]))  # the newest token + the accepted ones
+    # the newest token + the accepted ones; Rows is the generation loop's owner of the cache's
+    # rows and columns (one row here: no history to move with it)
+    Rows(cache, 1, cache.length, fed.device).rollback(torch.tensor([end + accepted]))
     print(f"   it agrees with the first {accepted}, then adds its own "
           f"{show(tokens[0, accepted:accepted + 1].tolist())}: {accepted + 1} tokens for one pass")
     print(f"   rollback: the cache forgets the {len(proposed) - accepted} rejected and holds "

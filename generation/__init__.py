@@ -1,9 +1,12 @@
 """
 Generation: a model and prompts in, tokens out, one step at a time.
 
-    loop.py           the cached generation loop, Generation: prefill, decode_one, past the
+    loop.py           the cached generation loop, Generation: prefill, decode, past the
                       context reprefill or (rotary models) evict, finished rows; every caller
                       generates through it
+    rows.py           the rows of a generation: its cache, the token of each column, the
+                      padding, and every move on them (select, drop, forget, rollback)
+    steps.py          one decode step, step(newest): plain, compiled, or speculative
     compiled_step.py  the decode step with shapes that never change, compiled once (--compile)
     cpu_layout.py     large float32 Linear weights packed once for oneDNN's matmul (batches,
                       prefills and the serving engine run 1.3-2.8x faster per matmul)

@@ -11,7 +11,7 @@ import torch
 from base_model import GPT, GPTConfig
 from generation.loop import GenerationStats, generate_tokens
 from conftest import byte_tokenizer_spec, tiny_model
-from generate import score
+from plumbing.scoring import score
 from kv_cache import KVCacheGPT
 from plumbing.tokenizer import encoding_from_spec
 

@@ -29,7 +29,7 @@ from kv_cache import ConcatCache, KVCache
 from kv_quant import (KV_DTYPES, QUANT_BITS, FloatFormat, QuantizedFormat, cache_bytes, dequantize,
                       group_size, head_bytes, pack_int4, quantize, unpack_int4)
 from memory_plan import NAMED, Shape, gpt2_params, llama_params, parse_bytes
-from memory_plan import cache_bytes as planned_bytes
+from memory_plan import windowed_cache_bytes as planned_bytes
 from test_batch import alone, batched, random_prompts
 
 QUANT = list(QUANT_BITS)
@@ -228,7 +228,7 @@ def test_odd_head_dim_is_refused_in_one_line():
 def test_score_through_cache(kind):
     # the same windows as the plain score: float32 through the cache gives the same loss
     # (float noise only), int4 a loss close to it; rows=2 splits the windows into batches
-    from generate import nats_through_cache, score, score_windows
+    from plumbing.scoring import nats_through_cache, score, score_windows
     config = GPTConfig(context_len=32, vocab_size=260, n_layer=2, n_head=2, n_embd=32)
     model, tokenizer = tiny_model(config, seed=3), byte_tokenizer()
     text = "Fair is foul, and foul is fair: hover through the fog and filthy air. " * 3

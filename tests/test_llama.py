@@ -166,7 +166,7 @@ def test_generate_cli_writes_transformers_tokens(pair):
 
 def test_cache_holds_the_formulas_bytes_with_n_kv_head(pair):
     """S_cache = 2 x N_layers x N_kv_heads x L x d_head x P_bytes, for every cache kind."""
-    _, _, ours, _, _, name = pair
+    _, _, ours, tokenizer, _, name = pair
     c = ours.config
     assert c.n_kv_head == VARIANTS[name][1]["num_key_value_heads"]
     assert ours.new_cache(3).nbytes() == cache_bytes(c, c.context_len, 3) == (
@@ -174,7 +174,7 @@ def test_cache_holds_the_formulas_bytes_with_n_kv_head(pair):
     _, cache = ours(random_ids(2, 9), None)  # the seed's torch.cat list
     assert cache.nbytes() == cache_bytes(c, 9, 2)
     assert [tuple(k.shape) for k, _ in cache.layers] == [(2, c.n_kv_head, 9, c.head_dim)] * c.n_layer
-    engine = Engine(ours, None, num_blocks=64, tokens_per_block=16, attention="gather")
+    engine = Engine(ours, tokenizer, num_blocks=64, tokens_per_block=16, attention="gather")
     assert engine.pool.nbytes() == cache_bytes(c, 65 * 16, 1)  # 64 blocks + the null block
 
 

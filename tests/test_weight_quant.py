@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from base_model import GPT
 from plumbing.checkpoint import BUNDLED, load_model, save_checkpoint
 from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
-from generate import score
+from plumbing.scoring import score
 from kv_cache import CACHED_MODELS
 from weight_quant import (Int4Linear, Int8Linear, QuantizedLinear, dequantize_int4, dequantize_int8,
                       int4_group_size, quantize_int4, quantize_int8, quantize_model)
