@@ -77,7 +77,7 @@ def matmul_peak_gflops(device, reps):
 def main():
     from benchmarks.cache_cost import SHAPES, random_model
     from benchmarks.report import print_batches
-    from plumbing.cli import ArgumentParser, positive_int, positive_int_list
+    from plumbing.cli import ArgumentParser, add_benchmark_args, positive_int_list
     from plumbing.outputs import check_output_path, publish_result
 
     p = ArgumentParser(description="Batches of different prompts decoded together: aggregate "
@@ -86,9 +86,7 @@ def main():
     p.add_argument("--shape", choices=list(SHAPES), default="gpt2", help="a random model of this "
                    "shape (default: gpt2, GPT-2 small)")
     p.add_argument("--sizes", type=positive_int_list, default=[1, 16], help="batch sizes (default: 1,16)")
-    p.add_argument("--tokens", type=positive_int, default=64, help="new tokens per row (default: 64)")
-    p.add_argument("--reps", type=positive_int, default=3, help="timed runs after a warm-up (default: 3)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    add_benchmark_args(p, tokens=64, per="row")
     args = p.parse_args()
     if args.json is not None:
         check_output_path(args.json, "json")

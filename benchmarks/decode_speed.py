@@ -164,7 +164,7 @@ def main():
     from benchmarks.report import print_decode_speed
     from kv_cache import CACHED_MODELS
     from plumbing.checkpoint import BUNDLED, load_model
-    from plumbing.cli import ArgumentParser, positive_int
+    from plumbing.cli import ArgumentParser, add_benchmark_args
     from plumbing.outputs import check_output_path, publish_result
 
     p = ArgumentParser(description="The decode-speed table of benchmark.py alone: ours in each "
@@ -172,13 +172,11 @@ def main():
                        "bundled model and a random model of --shape (see the module docstring).")
     p.add_argument("--shape", choices=list(SHAPES), default="gpt2",
                    help="the random model's shape (default: gpt2, GPT-2 small; tiny: a quick check)")
-    p.add_argument("--tokens", type=positive_int, default=200, help="new tokens per run (default: 200)")
-    p.add_argument("--reps", type=positive_int, default=3, help="timed runs after a warm-up (default: 3)")
+    add_benchmark_args(p, tokens=200)
     p.add_argument("--group-size", type=int, choices=INT4_GROUP_SIZES,
                    help="the int4 rows' group size (default: weight_quant's for each model)")
     p.add_argument("--no-compile", action="store_true",
                    help="leave out the compiled rows (each builds C++ for up to minutes)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args()
     if args.json is not None:
         check_output_path(args.json, "json")

@@ -36,7 +36,7 @@ from benchmarks.peers import llama_cpp_missing  # noqa: E402
 from benchmarks.report import print_decode_speed  # noqa: E402
 from kv_cache import KVCacheLlama  # noqa: E402
 from llama import LlamaConfig  # noqa: E402
-from plumbing.cli import ArgumentParser, positive_int  # noqa: E402
+from plumbing.cli import ArgumentParser, add_benchmark_args  # noqa: E402
 from plumbing.outputs import check_output_path, publish_result  # noqa: E402
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
@@ -82,9 +82,7 @@ def main():
                        "beside llama.cpp on identical weights (see the module docstring).")
     p.add_argument("--shape", choices=list(SHAPES), default="llama-3.2-1b",
                    help="the model's shape (default: llama-3.2-1b; tiny: seconds, for a check)")
-    p.add_argument("--tokens", type=positive_int, default=32, help="new tokens per run (default: 32)")
-    p.add_argument("--reps", type=positive_int, default=3, help="timed runs after a warm-up (default: 3)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    add_benchmark_args(p, tokens=32)
     args = p.parse_args()
     if args.json is not None:
         check_output_path(args.json, "json")

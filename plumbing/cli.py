@@ -45,6 +45,15 @@ def positive_int_list(text):
     return sorted({positive_int(x) for x in text.split(",")})
 
 
+def add_benchmark_args(parser, tokens, per="run"):
+    """The flags every decode benchmark takes: --tokens (default `tokens`, new tokens per
+    `per`), --reps and --json."""
+    parser.add_argument("--tokens", type=positive_int, default=tokens,
+                        help=f"new tokens per {per} (default: {tokens})")
+    parser.add_argument("--reps", type=positive_int, default=3, help="timed runs after a warm-up (default: 3)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+
+
 def seed_int(text):
     value = int(text)
     if value not in SEED_RANGE:
