@@ -1,6 +1,7 @@
 """
-How much memory a KV cache takes, for models from the bundled one to a Llama-3-8B, before
-anything is run: the chapter's formula with every term a number you can turn.
+How much memory a model's weights and its KV cache take, for models from the bundled one
+to a Llama-3-8B, before anything is run: the chapter's formula with every term a number
+you can turn, and whether weights + cache fit in --memory.
 
     S_cache = 2 x N_layers x N_kv_heads x min(L, sliding_window) x head_bytes  (x batch)
 
@@ -11,12 +12,17 @@ for GPT-2; Llama-3 and Mistral share each cached key/value head among 4 query he
 (grouped-query attention), which is why they cache a quarter as much per token. A sliding
 window (Mistral's 4096 tokens) caps the columns: attention never looks further back.
 
+The weights' bytes per format are plumbing.memory.weight_bytes: float32 or bfloat16 for
+every parameter, or int8 / int4 as weight_quant.py stores a bfloat16 model's Linears
+(codes plus their scales; embeddings and norms stay bfloat16). A test checks them against
+the bytes a loaded, quantized model's tensors hold.
+
     python memory_plan.py
-    python memory_plan.py --memory 80GiB --length 32768 --weights-dtype int4
+    python memory_plan.py --memory 80GiB --length 32768 --batch 8 --weights-dtype int4
+    python memory_plan.py --json
     python memory_plan.py --plot docs/kv_memory.png
 """
 
-import math
 import re
 from dataclasses import dataclass
 from decimal import Decimal
@@ -32,10 +38,10 @@ from kv_quant import KV_DTYPES, cache_bytes, head_bytes  # noqa: E402
 from llama import LlamaConfig  # noqa: E402
 from plumbing.checkpoint import BUNDLED, NAIVE_MODELS, default_checkpoint  # noqa: E402
 from plumbing.cli import ArgumentParser, load_source, positive_int  # noqa: E402
-from plumbing.memory import format_bytes, parameter_count  # noqa: E402
-from plumbing.outputs import MARK, check_output_path, import_pyplot, write_atomically  # noqa: E402
+from plumbing.memory import format_bytes, parameter_count, weight_bytes  # noqa: E402
+from plumbing.outputs import MARK, check_output_path, import_pyplot, json_text, write_atomically  # noqa: E402
 
-WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}  # per parameter, scales not counted
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4")  # float16 takes bfloat16's bytes
 MAX_MEMORY = 2 ** 200  # past a float's comfortable range; no plan needs more
 UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -43,7 +49,8 @@ UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 @dataclass(frozen=True)
 class Shape:
-    """What the cache's size depends on, and the weights' count for comparison."""
+    """What the cache's size depends on, and the weights' count for comparison; config,
+    the model's own, sizes the weights in each format (none for a cache-only shape)."""
     name: str
     n_layer: int
     n_head: int          # query heads
@@ -52,45 +59,56 @@ class Shape:
     params: int
     context_len: int     # the longest sequence the model was made for
     sliding_window: int = None  # sliding-window attention: the cache keeps this many tokens at most
+    config: object = None       # base_model.GPTConfig or llama.LlamaConfig
+
+
+def shape_of(name, config, sliding_window=None):
+    """The Shape of a model config: its terms of the formula, and the config for its weights."""
+    return Shape(name, config.n_layer, config.n_head, config.n_kv_head, config.head_dim,
+                 parameter_count(config), config.context_len, sliding_window, config)
+
+
+def gpt2_config(n_layer, n_embd, n_head=1, vocab_size=50257, context_len=1024):
+    """A GPT-2 (base_model.GPT with biases; lm_head tied to the embedding)."""
+    return GPTConfig(context_len=context_len, vocab_size=vocab_size, n_layer=n_layer,
+                     n_head=n_head, n_embd=n_embd)
+
+
+def llama_config(n_layer, d_model, n_head, n_kv_head, d_ffn, vocab_size, context_len=4096):
+    """A Llama-style model (no biases, RMSNorm, SwiGLU, untied output layer)."""
+    return LlamaConfig(context_len=context_len, vocab_size=vocab_size, n_layer=n_layer,
+                       n_head=n_head, n_kv_head=n_kv_head, n_embd=d_model, intermediate_size=d_ffn)
 
 
 def gpt2_params(n_layer, n_embd, vocab_size=50257, context_len=1024):
-    """Parameters of a GPT-2 (base_model.GPT with biases; lm_head tied to the embedding),
-    counted as the loaders count them (plumbing/memory.py)."""
-    return parameter_count(GPTConfig(context_len=context_len, vocab_size=vocab_size, n_layer=n_layer,
-                                     n_head=1, n_embd=n_embd))  # the head count changes no count
+    """Parameters of a GPT-2, counted as the loaders count them (plumbing/memory.py); the
+    head count changes no count."""
+    return parameter_count(gpt2_config(n_layer, n_embd, vocab_size=vocab_size, context_len=context_len))
 
 
 def llama_params(n_layer, d_model, n_head, n_kv_head, d_ffn, vocab_size):
-    """Parameters of a Llama-style model (no biases, RMSNorm, SwiGLU, untied output layer),
-    counted as the loaders count them (plumbing/memory.py)."""
-    return parameter_count(LlamaConfig(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
-                                       n_kv_head=n_kv_head, n_embd=d_model, intermediate_size=d_ffn))
-
-
-def gpt2(name, n_layer, n_head, n_embd):
-    return Shape(name, n_layer, n_head, n_head, n_embd // n_head, gpt2_params(n_layer, n_embd), 1024)
+    """Parameters of a Llama-style model, counted as the loaders count them."""
+    return parameter_count(llama_config(n_layer, d_model, n_head, n_kv_head, d_ffn, vocab_size))
 
 
 NAMED = [
-    gpt2("GPT-2 small", 12, 12, 768),
-    gpt2("GPT-2 medium", 24, 16, 1024),
-    gpt2("GPT-2 large", 36, 20, 1280),
-    gpt2("GPT-2 xl", 48, 25, 1600),
-    Shape("Llama-2-7B-like (MHA)", 32, 32, 32, 128, llama_params(32, 4096, 32, 32, 11008, 32000), 4096),
-    Shape("Llama-3-8B-like (GQA 32/8)", 32, 32, 8, 128, llama_params(32, 4096, 32, 8, 14336, 128256), 8192),
-    Shape("Mistral-7B-like (GQA, window 4096)", 32, 32, 8, 128,
-          llama_params(32, 4096, 32, 8, 14336, 32000), 32768, sliding_window=4096),
+    shape_of("GPT-2 small", gpt2_config(12, 768, n_head=12)),
+    shape_of("GPT-2 medium", gpt2_config(24, 1024, n_head=16)),
+    shape_of("GPT-2 large", gpt2_config(36, 1280, n_head=20)),
+    shape_of("GPT-2 xl", gpt2_config(48, 1600, n_head=25)),
+    shape_of("Llama-2-7B-like (MHA)", llama_config(32, 4096, 32, 32, 11008, 32000)),
+    shape_of("Llama-3-8B-like (GQA 32/8)", llama_config(32, 4096, 32, 8, 14336, 128256, context_len=8192)),
+    shape_of("Mistral-7B-like (GQA, window 4096)",
+             llama_config(32, 4096, 32, 8, 14336, 32000, context_len=32768), sliding_window=4096),
 ]
 
 
 def checkpoint_shape(args):
     """The Shape of the model that --ckpt/--hf (or the default chain) names."""
     model, _ = load_source(NAIVE_MODELS, args.ckpt, args.hf)
-    c = model.config
     path = Path(args.hf or args.ckpt or default_checkpoint())
     name = "bundled model" if path.resolve() == BUNDLED else path.name
-    return Shape(name, c.n_layer, c.n_head, c.n_kv_head, c.head_dim, model.num_params(), c.context_len)
+    return shape_of(name, model.config)
 
 
 def windowed_cache_bytes(shape, kv_dtype, length, batch_size=1):
@@ -102,8 +120,24 @@ def windowed_cache_bytes(shape, kv_dtype, length, batch_size=1):
 
 def sequences_that_fit(shape, kv_dtype, length, memory, weights_dtype):
     """How many sequences of `length` tokens fit in `memory` bytes once the weights are in."""
-    free = memory - math.ceil(shape.params * WEIGHT_BYTES[weights_dtype])  # integers: exact at any size
+    free = memory - weight_bytes(shape.config, weights_dtype)  # integers: exact at any size
     return max(0, free // windowed_cache_bytes(shape, kv_dtype, length))
+
+
+def plan(shapes, kv_dtypes, memory, length, batch, weights_dtype):
+    """For each shape and cache dtype: the weights, the cache of `batch` sequences of `length`
+    tokens (or the model's context if shorter), their total and whether it fits in `memory`."""
+    rows = []
+    for s in shapes:
+        fit_length = min(length, s.context_len)
+        weights = weight_bytes(s.config, weights_dtype)
+        for kv in kv_dtypes:
+            cache = windowed_cache_bytes(s, kv, fit_length, batch)
+            rows.append({"model": s.name, "weights_dtype": weights_dtype, "weights_bytes": weights,
+                         "kv_dtype": kv, "length": fit_length, "batch": batch, "cache_bytes": cache,
+                         "total_bytes": weights + cache, "fits": weights + cache <= memory,
+                         "sequences_that_fit": sequences_that_fit(s, kv, fit_length, memory, weights_dtype)})
+    return rows
 
 
 # ---------------------------------------------------------------------------- report
@@ -118,15 +152,16 @@ def tokens_label(n):
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-def print_tables(shapes, kv_dtypes, lengths, memory, length, weights_dtype):
-    print("## Models: the terms of the formula, and the weights (parameters x bytes)\n")
+def print_tables(shapes, kv_dtypes, lengths, memory, length, weights_dtype, plan_rows):
+    print("## Models: the terms of the formula, and the weights (int8 / int4: the Linears' codes "
+          "and scales, the rest bfloat16)\n")
     print("| model | layers | heads (query / key-value) | head_dim | window | context | parameters | "
-          + " | ".join(f"weights {w}" for w in WEIGHT_BYTES) + " |")
-    print("|---|---|---|---|---|---|---|" + "---|" * len(WEIGHT_BYTES))
+          + " | ".join(f"weights {w}" for w in WEIGHT_FORMATS) + " |")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(WEIGHT_FORMATS))
     for s in shapes:
         print(f"| {s.name} | {s.n_layer} | {s.n_head} / {s.n_kv_head} | {s.head_dim} | "
               f"{s.sliding_window or '-'} | {s.context_len:,} | {s.params / 1e6:,.0f}M | "
-              + " | ".join(format_bytes(s.params * b) for b in WEIGHT_BYTES.values()) + " |")
+              + " | ".join(format_bytes(weight_bytes(s.config, w)) for w in WEIGHT_FORMATS) + " |")
 
     print(f"\n## KV cache of one sequence, and what fits in {format_bytes(memory)} next to "
           f"{weights_dtype} weights\n")
@@ -136,7 +171,7 @@ def print_tables(shapes, kv_dtypes, lengths, memory, length, weights_dtype):
     print("|---|---|---|---|" + "---|" * len(lengths) + "---|---|")
     for s in shapes:
         fit_length = min(length, s.context_len)
-        weights = s.params * WEIGHT_BYTES[weights_dtype]
+        weights = weight_bytes(s.config, weights_dtype)
         for kv in kv_dtypes:
             per_token = cache_bytes(s, 1, 1, kv)
             cells = [format_bytes(windowed_cache_bytes(s, kv, n)) + ("*" if n > s.context_len else "")
@@ -148,6 +183,28 @@ def print_tables(shapes, kv_dtypes, lengths, memory, length, weights_dtype):
     print("\n\\* longer than the model's context: what the formula gives, not a length it can run. "
           "Tokens where cache = weights: summed over the batch (the sliding window not counted). "
           f"Sequences that fit: of --length {length} tokens, or the model's context if shorter.")
+
+    batch = plan_rows[0]["batch"]
+    print(f"\n## The plan: {weights_dtype} weights and the KV cache of {batch} x --length {length} "
+          f"tokens (or the model's context), in {format_bytes(memory)}\n")
+    print(f"| model | weights | kv dtype | KV cache | total | fits in {format_bytes(memory)} |")
+    print("|---|---|---|---|---|---|")
+    for r in plan_rows:
+        margin = memory - r["total_bytes"]
+        fits = f"yes, {format_bytes(margin)} left" if r["fits"] else f"no, {format_bytes(-margin)} over"
+        print(f"| {r['model']} | {format_bytes(r['weights_bytes'])} | {r['kv_dtype']} | "
+              f"{format_bytes(r['cache_bytes'])} ({r['batch']} x {tokens_label(r['length'])}) | "
+              f"{format_bytes(r['total_bytes'])} | {fits} |")
+
+
+def plan_json(shapes, memory, plan_rows):
+    """--json: every shape's terms and weights per format, and the plan's rows."""
+    models = [{"name": s.name, "n_layer": s.n_layer, "n_head": s.n_head, "n_kv_head": s.n_kv_head,
+               "head_dim": s.head_dim, "sliding_window": s.sliding_window, "context_len": s.context_len,
+               "parameters": s.params,
+               "weights_bytes": {w: weight_bytes(s.config, w) for w in WEIGHT_FORMATS}}
+              for s in shapes]
+    return json_text({"memory_bytes": memory, "models": models, "plan": plan_rows}, indent=1)
 
 
 def plot(shapes, kv_dtypes, memory, path, plt):
@@ -199,12 +256,16 @@ def main():
     p.add_argument("--memory", default="24GiB", help="memory for weights and caches (default: 24GiB)")
     p.add_argument("--length", type=positive_int, default=4096,
                    help="sequence length for the fit column (default: 4096)")
-    p.add_argument("--weights-dtype", choices=list(WEIGHT_BYTES), default="bfloat16",
-                   help="weights' dtype in the fit column (default: bfloat16)")
+    p.add_argument("--batch", type=positive_int, default=1,
+                   help="sequences decoded together, in the plan's cache (default: 1)")
+    p.add_argument("--weights-dtype", choices=WEIGHT_FORMATS, default="bfloat16",
+                   help="weights' format in the fit column and the plan (int8, int4: "
+                   "weight_quant.py's, scales counted) (default: bfloat16)")
     p.add_argument("--kv-dtypes", default="float32,bfloat16,int8,int4",
                    help="cache dtypes, comma-separated, from " + ", ".join(KV_DTYPES)
                    + " (default: float32,bfloat16,int8,int4; float16 takes bfloat16's bytes)")
     p.add_argument("--plot", metavar="PATH", help="write cache bytes vs length as a PNG (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     args = p.parse_args()
     try:
         memory = parse_bytes(args.memory)
@@ -221,7 +282,12 @@ def main():
         check_output_path(args.plot, "png")
         plt = import_pyplot()
     shapes = [checkpoint_shape(args)] + NAMED
-    print_tables(shapes, kv_dtypes, [1024, 4096, 32768, 131072], memory, args.length, args.weights_dtype)
+    plan_rows = plan(shapes, kv_dtypes, memory, args.length, args.batch, args.weights_dtype)
+    if args.json:
+        print(plan_json(shapes, memory, plan_rows))
+    else:
+        print_tables(shapes, kv_dtypes, [1024, 4096, 32768, 131072], memory, args.length,
+                     args.weights_dtype, plan_rows)
     if plt:
         plot(shapes, kv_dtypes, memory, args.plot, plt)
 

@@ -1,6 +1,7 @@
 """
 Memory arithmetic: what this machine can still give, what a model or a batch of rows
-would take, and the one way a byte count is written (format_bytes, binary units).
+would take (its weights in each format: weight_bytes), what this process has held at its
+peak (peak_rss_bytes), and the one way a byte count is written (format_bytes, binary units).
 
 The loaders refuse up front what would exhaust the machine (check_fits_in_memory), with
 the cost in the message; memory_plan.py prints the same parameter count and the same
@@ -9,10 +10,12 @@ byte format in its tables.
 
 import math
 import os
+import sys
 from pathlib import Path
 
 from kv_quant import cache_bytes
 from plumbing.script import CheckpointError
+from weight_quant import INT4_GROUP_SIZE, INT4_GROUP_SIZES
 
 # nn.Module bookkeeping of one transformer block, whatever its width: measured 36 KB
 # (2,000 one-wide blocks, RSS), rounded up. Without it a "billion layers" of width 1
@@ -82,7 +85,8 @@ def gpt_parameter_count(c):
     LayerNorm weights without biases); wte and wpe; ln_f. lm_head is wte, tied."""
     C = c.n_embd
     norms_and_biases = 13 * C if c.bias else 2 * C
-    return (c.vocab_size * C + c.context_len * C + c.n_layer * (12 * C * C + norms_and_biases)
+    linears = sum(out * inp for out, inp in block_linear_shapes(c))  # 12 C^2
+    return (c.vocab_size * C + c.context_len * C + c.n_layer * (linears + norms_and_biases)
             + (2 * C if c.bias else C))
 
 
@@ -92,9 +96,71 @@ def llama_parameter_count(c):
     RMSNorm weights of C (and of hd for q and k with qk_norm); the embedding, the output
     layer unless it is tied, the final RMSNorm."""
     C, q, kv = c.n_embd, c.n_head * c.head_dim, c.n_kv_head * c.head_dim
-    per_block = (2 * C * q + 2 * C * kv + (q + 2 * kv if c.qkv_bias else 0)
-                 + 3 * C * c.intermediate_size + 2 * C + (2 * c.head_dim if c.qk_norm else 0))
+    linears = sum(out * inp for out, inp in block_linear_shapes(c))
+    per_block = (linears + (q + 2 * kv if c.qkv_bias else 0)
+                 + 2 * C + (2 * c.head_dim if c.qk_norm else 0))
     return c.vocab_size * C * (1 if c.tie_embeddings else 2) + c.n_layer * per_block + C
+
+
+def block_linear_shapes(c):
+    """(out, in) of each nn.Linear weight in one block of the model config c describes."""
+    C = c.n_embd
+    if c.family == "gpt":  # c_attn, attn c_proj, c_fc, mlp c_proj
+        return [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C)]
+    q, kv, hidden = c.n_head * c.head_dim, c.n_kv_head * c.head_dim, c.intermediate_size
+    # q, k, v, o; the SwiGLU's gate, up and down
+    return [(q, C), (kv, C), (kv, C), (C, q), (hidden, C), (hidden, C), (C, hidden)]
+
+
+def quantized_linear_shapes(c):
+    """(out, in) of every Linear weight_quant.quantize_model replaces: every block's, and
+    the output layer when it is tied to the embedding (an untied one stays float)."""
+    tied = c.family == "gpt" or c.tie_embeddings
+    return c.n_layer * block_linear_shapes(c) + ([(c.vocab_size, c.n_embd)] if tied else [])
+
+
+def int4_group_size_for(c):
+    """weight_quant.int4_group_size for a config: INT4_GROUP_SIZE, or the largest smaller
+    group the kernel takes that divides every quantized Linear's input width."""
+    widths = {inp for _, inp in quantized_linear_shapes(c)}
+    fitting = [g for g in INT4_GROUP_SIZES if g <= INT4_GROUP_SIZE and all(w % g == 0 for w in widths)]
+    return max(fitting, default=INT4_GROUP_SIZES[0])
+
+
+FLOAT_WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SCALE_BYTES = 2  # bfloat16: the scales' dtype (the CPU kernels' activations, or the model's)
+
+
+def weight_bytes(c, weights_dtype):
+    """Bytes the weights of config c hold in weights_dtype. A float dtype: every parameter
+    at its size. int8 / int4: what weight_quant.quantize_model makes of a bfloat16 model:
+    each quantized Linear as codes (1 byte, or half a byte, per weight) and bfloat16 scales
+    (int8: one per output row; int4: a scale and a zero point per group of inputs); the
+    rest (embeddings, norms, biases, an untied output layer) in bfloat16. A tied output
+    layer's table stays as the embedding: its codes are a copy, counted on top. The CPU
+    int4 kernel pads rows to a multiple of 16 (not counted: a few rows per layer)."""
+    if weights_dtype in FLOAT_WEIGHT_BYTES:
+        return parameter_count(c) * FLOAT_WEIGHT_BYTES[weights_dtype]
+    quantized = quantized_linear_shapes(c)
+    float_params = parameter_count(c) - c.n_layer * sum(o * i for o, i in block_linear_shapes(c))
+    if weights_dtype == "int8":
+        codes = sum(o * i + o * SCALE_BYTES for o, i in quantized)
+    else:
+        group = int4_group_size_for(c)
+        codes = sum(o * i // 2 + o * (i // group) * 2 * SCALE_BYTES for o, i in quantized)
+    return float_params * FLOAT_WEIGHT_BYTES["bfloat16"] + codes
+
+
+def peak_rss_bytes():
+    """The most resident memory this process has held so far, in bytes (None where the
+    platform does not say: Windows has no resource module)."""
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is in KiB on Linux and the BSDs, in bytes on macOS
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def model_memory(c):
