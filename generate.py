@@ -29,6 +29,10 @@ import time
 
 from plumbing.script import UserError, begin, run
 
+# the start that --stats' "from the start" counts from: this module's import, before torch's
+# (the interpreter's own start-up, some tens of milliseconds, comes before it and is not counted)
+IMPORTED_AT = time.perf_counter()
+
 if __name__ == "__main__":  # run as a command; importing this file changes nothing
     begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
 
@@ -260,8 +264,9 @@ def generate(args, prompts, model, tokenizer, device, proposer):
     for sample in samples:
         sample.finish()  # max_new_tokens reached: show what is held back for stop strings
 
-    report = stats_report(model, args, loop_args["stats"], ids, samples,
-                          steps, decoded, t_end - t_start, t_first and t_first - t_start, proposer)
+    report = stats_report(model, args, loop_args["stats"], ids, samples, steps, decoded,
+                          t_end - t_start, t_first and t_first - t_start, proposer,
+                          start_to_first_token_seconds=t_first and t_first - IMPORTED_AT)
     if args.json:
         out = {"prompts": prompts, "texts": [s.text for s in samples], "stats": report}
         if len(prompts) == 1:

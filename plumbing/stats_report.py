@@ -1,19 +1,22 @@
 """
 What `generate.py --stats` and `--json` report about a run: the numbers (stats_report),
-built from the loop's counters (generation.loop.GenerationStats) and the command's
-timings, and the lines --stats prints on stderr (print_stats).
+built from the loop's counters (generation.loop.GenerationStats), the command's timings
+and the process's peak memory, and the lines --stats prints on stderr (print_stats).
 """
 
 import sys
 
 from kv_quant import cache_formula, dtype_name
+from plumbing.memory import format_bytes, peak_rss_bytes
 
 
 def stats_report(model, args, stats, ids, samples, steps, decoded, seconds, first_token_seconds,
-                 proposer=None):
+                 proposer=None, start_to_first_token_seconds=None):
     """What a generation run did, as --json's "stats" and --stats print it: tokens in and
-    out, time to the first token and decode speed, forward passes, speculation's counts,
-    and the KV cache's bytes by the formula beside those allocated (none with --no-cache)."""
+    out, time to the first token (from the generation's start, and from the command's:
+    loading the model included) and decode speed, forward passes, speculation's counts,
+    the process's peak resident memory so far, and the KV cache's bytes by the formula
+    beside those allocated (none with --no-cache)."""
     rows = len(samples)
     decode_seconds = seconds - first_token_seconds if first_token_seconds is not None else 0.0
     report = {
@@ -23,10 +26,12 @@ def stats_report(model, args, stats, ids, samples, steps, decoded, seconds, firs
         "prefill_seconds": None if args.no_cache else stats.prefill_seconds,
         "compile_seconds": stats.compile_seconds if args.compile else None,
         "time_to_first_token_seconds": first_token_seconds,
+        "start_to_first_token_seconds": start_to_first_token_seconds,
         "decode_tokens_per_second": decoded / decode_seconds if decoded else None,
         "forward_passes": stats.forward_passes,
         "prefill_passes": stats.prefill_passes,
         "positions_processed": stats.positions_processed,
+        "peak_rss_bytes": peak_rss_bytes(),
         "speculative": proposer and {
             "speculate": args.speculate, "proposer": proposer.describe(),
             "proposed": stats.proposed, "accepted": stats.accepted,
@@ -57,8 +62,12 @@ def print_stats(r):
         *([f"compile:             {fmt(r['compile_seconds'], 's')} (before the first token)"]
           if r["compile_seconds"] is not None else []),
         f"time to first token: {fmt(r['time_to_first_token_seconds'] and r['time_to_first_token_seconds'] * 1e3, 'ms')}",
+        f"  from the start:    {fmt(r['start_to_first_token_seconds'] and r['start_to_first_token_seconds'] * 1e3, 'ms')}"
+        " (the command's: imports and loading the model included)",
         f"decode:              {fmt(r['decode_tokens_per_second'], 'tokens/s')}",
         f"forward passes:      {r['forward_passes']}, {r['positions_processed']} positions processed",
+        "peak memory:         " + ("n/a" if r["peak_rss_bytes"] is None else
+                                   f"{format_bytes(r['peak_rss_bytes'])} resident (the process's most so far)"),
     ]
     spec = r["speculative"]
     if spec:
