@@ -45,12 +45,9 @@ from kv_quant import dtype_name, storage_format
 #     cache.attend(layer, q, k, v, mask)         update(), then attention over what it returns
 # A cache stores n_kv_head heads (config.n_kv_head): every head for GPT-2, fewer for a model
 # with grouped-query attention, whose query heads share them.
-# The serving engine's paged cache (serving/paged_cache.py) and the compiled step's view of
-# the buffer (generation/compiled_step.py) are Caches too. ConcatCache and KVCache below
-# also say how big they are (nbytes), turn their cached keys for the sinks policy
-# (map_keys: model.move_keys), and hand the generation loop the tensors they store
-# (tensors, hold): it moves their rows and columns itself (generation/rows.py), for
-# batches whose rows finish, speculative decoding and the context policies.
+# The serving engine's paged cache (serving/paged_cache.py) is a Cache too; the compiled
+# step's and the paged kernel's caches (generation/compiled_step.py, serving/paged_attention.py)
+# offer attend() alone, which is all forward_at calls.
 
 class Cache:
     length = 0
@@ -62,8 +59,8 @@ class Cache:
     def attend(self, layer, q, k, v, mask):
         """Attention of the new queries q (B, nh, T, hd) over the cache and the new keys and
         values (B, n_kv_head, T, hd): (B, nh, T, hd). The cache step, then SDPA over
-        everything it returns. (A cache that can read its keys where they lie, without
-        assembling them, overrides this: serving/paged_cache.py.)"""
+        everything it returns. (A cache that reads its keys where they lie, without
+        assembling them, has an attend of its own: serving/paged_attention.py.)"""
         k, v = self.update(layer, k, v)   # (B, n_kv_head, past_len + T, hd): the past, reused
         # fewer key/value heads than query heads (grouped-query attention): SDPA lets each
         # group of n_head / n_kv_head query heads read one stored head, without copying it
@@ -242,6 +239,11 @@ CACHED_MODELS = {"gpt": KVCacheGPT, "llama": KVCacheLlama}
 
 
 # ---------------------------------------------------------------------------- two kinds of cache
+#
+# Both also say how big they are (nbytes), turn their cached keys for the sinks policy
+# (map_keys: model.move_keys), and hand the generation loop the tensors they store
+# (tensors, hold): it moves their rows and columns itself (generation/rows.py), for batches
+# whose rows finish, speculative decoding and the context policies.
 
 class ConcatCache(Cache):
     """The seed's cache: a list of per-layer (k, v), each (B, nh, length, hd), grown by
@@ -307,8 +309,7 @@ class KVCache(Cache):
 
     def __init__(self, config, batch_size, device=None, dtype=torch.float32, max_len=None,
                  kv_dtype=None, pad=None):
-        self.config, self.dtype, self.max_len = config, dtype, max_len or config.context_len
-        self.kv_dtype = kv_dtype or dtype_name(dtype)
+        self.max_len, self.kv_dtype = max_len or config.context_len, kv_dtype or dtype_name(dtype)
         self.format = storage_format(self.kv_dtype, config.head_dim, dtype)
         shape = (config.n_layer, 2, batch_size, config.n_kv_head, self.max_len,
                  self.format.width(config.head_dim))

@@ -15,7 +15,7 @@ an RMSNorm on each head's q and k (Qwen3), an output layer tied to the embedding
 
 Parameter names are Hugging Face's LlamaForCausalLM's (model.layers.0.self_attn.q_proj...),
 as base_model uses GPT-2's own: loading a checkpoint and exporting one are plain renames.
-kv_cache.KVCacheLlama is this model with the same three changes KVCacheGPT makes.
+kv_cache.KVCacheLlama is this model with the one change to forward() (kv_cache.CachedModel.forward).
 """
 
 import math

@@ -48,8 +48,8 @@ def kv_dtype_latency(model, shape, position, batch_sizes, reps, steps=8):
         result["dtypes"][kv] = rows = {}
         for b in batch_sizes:
             def step_and_read_ms():
-                cache = copy.copy(prefilled)  # Rows.select_rows gives the copy its own tensors
-                Rows(cache, 1, position, device).select_rows(torch.zeros(b, dtype=torch.long, device=device))
+                cache = copy.copy(prefilled)  # Rows.repeat gives the copy its own tensors
+                Rows(cache, 1, position, device).repeat(b)
                 token, times = torch.zeros(b, 1, dtype=torch.long, device=device), []
                 for _ in range(steps):
                     synchronize(device)

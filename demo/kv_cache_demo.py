@@ -157,13 +157,13 @@ def batch_part(model, tokenizer, n_tokens, kv):
               f"same {n} tokens as alone: {'yes' if torch.equal(row, single) else 'no'}")
 
 
-def partly_right_proposal(ids, k, n):
+def partly_right_proposal(ids, k, n, device):
     """The first point of the text ids where a prompt lookup (n-grams, k tokens) proposes
     something partly right: (end, proposals, the proposed tokens), the text so far being
     ids[:end]; None where there is no such point."""
     lookup = PromptLookup(n)
     for end in range(2, len(ids) - k):
-        lookup.start([ids[:end]])
+        lookup.start([ids[:end]], device=device)
         proposals = lookup.propose(k)
         proposed = proposals.tokens[0, :proposals.counts[0]].tolist()
         right = next((i for i, (a, b) in enumerate(zip(proposed, ids[end:])) if a != b), len(proposed))
@@ -176,18 +176,19 @@ def speculative_step_by_hand(model, tokenizer, ids, k, n):
     """One step of speculative decoding done with the cache directly, printed: at the first
     point of the text ids (a greedy generation: the model's own choices) where a prompt-lookup
     proposal is partly right."""
-    found = partly_right_proposal(ids, k, n)
+    device = model.lm_head.weight.device
+    found = partly_right_proposal(ids, k, n, device)
     if found is None:
         print("   (no proposal in this text is partly right: see the totals below)")
         return
     end, proposals, proposed = found
     show = lambda tokens: " ".join(repr(tokenizer.decode([t])) for t in tokens)  # noqa: E731
     cache = model.new_cache(1)
-    model(torch.tensor([ids[:end - 1]]), cache)  # the text so far, but its newest token
+    model(torch.tensor([ids[:end - 1]], device=device), cache)  # the text so far, but its newest token
     print(f"   the text so far ends {tokenizer.decode(ids[max(0, end - 8):end])!r}; "
           f"the cache holds {cache.length} columns")
     print(f"   prompt lookup proposes {show(proposed)}")
-    fed = torch.tensor([[ids[end - 1]] + proposed])
+    fed = torch.tensor([[ids[end - 1]] + proposed], device=device)
     logits, cache = model(fed, cache)  # the newest token and the proposals, one pass
     tokens, counts = verify(logits, proposals, temperature=0)
     accepted = int(counts[0]) - 1
@@ -195,7 +196,7 @@ def speculative_step_by_hand(model, tokenizer, ids, k, n):
           f"{cache.length}; the model's own choices {show(tokens[0].tolist())}")
     # the newest token + the accepted ones; Rows is the generation loop's owner of the cache's
     # rows and columns (one row here: no history to move with it)
-    Rows(cache, 1, cache.length, fed.device).rollback(torch.tensor([end + accepted]))
+    Rows(cache, 1, cache.length, device).rollback(torch.tensor([end + accepted], device=device))
     print(f"   it agrees with the first {accepted}, then adds its own "
           f"{show(tokens[0, accepted:accepted + 1].tolist())}: {accepted + 1} tokens for one pass")
     print(f"   rollback: the cache forgets the {len(proposed) - accepted} rejected and holds "

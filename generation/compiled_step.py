@@ -53,7 +53,8 @@ from sample import sample_with_noise
 
 
 class StaticCache:
-    """The cache of the compiled step (a kv_cache.Cache, over the KVCache's buffer): it
+    """The cache of the compiled step (over the KVCache's buffer; of kv_cache.Cache it has
+    attend, all that forward_at calls): it
     writes the new columns at a position held in a tensor and attends over the whole buffer,
     so no shape depends on how much has been cached."""
 

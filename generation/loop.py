@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from generation.rows import Rows, cache_columns
+from generation.rows import Rows
 from generation.steps import CompiledPlainStep, PlainStep, SpeculativeStep
 from kv_quant import FLOAT_DTYPES
 from sample import check_sampling_args, sample
@@ -206,14 +206,15 @@ class Generation:
 
     # ------------------------------------------------------------------------ the phases
 
-    def feed(self, tokens, cache):
-        """Logits (B, V) of the last position of tokens (B, T), fed through cache."""
+    def last_logits(self, tokens, cache):
+        """Feed tokens (B, T) through cache: the logits (B, V) of their last position."""
         self.stats.count_pass(tokens.size(1))
         return self.model(tokens, cache, last_only=True)[0][:, -1]
 
     def prefill(self):
-        """The rows (self.rows: R rows, their cache holding the prompts) and each row's
-        logits (R, V) after its prompt."""
+        """Each row's logits (R, V) after its prompt. Sets up what the steps read: self.rows
+        (R rows, their cache holding the prompts) and self.max_columns (the most columns
+        the generation's cache may need)."""
         t0 = time.perf_counter()
         device = self.model.lm_head.weight.device
         tokens, pad = left_pad(self.prompts, self.context_len, device)
@@ -226,7 +227,7 @@ class Generation:
         cache = self.model.new_cache(tokens.size(0), self.cache_kind, pad, max_len=columns)
         self.rows = Rows(cache, tokens.size(0), self.context_len, device)
         self.rows.record(tokens)
-        logits = self.feed(tokens, cache)
+        logits = self.last_logits(tokens, cache)
         if self.num_samples > 1:  # one prefill, shared: copy its rows and logits to every sample
             self.rows.repeat(self.num_samples)
             logits = logits.repeat_interleave(self.num_samples, dim=0)
@@ -261,7 +262,7 @@ class Generation:
         recomputed, from the rows' history; every row moves left by the same number of
         columns (the shortest padding), which keeps the other rows' keys as they are:
         positions are per row."""
-        rows, keep = self.rows, max(1, self.context_len // 2)
+        rows, keep = self.rows, reprefill_keep(self.context_len)
         self.stats.cache_bytes = max(self.stats.cache_bytes, rows.cache.nbytes())  # torch.cat's peak
         context = rows.length - rows.pad                  # (R,) tokens in each row
         full = context == self.context_len
@@ -272,7 +273,7 @@ class Generation:
         if keep > 1 and full.numel():  # with keep == 1 a full row keeps no old token
             start = new_length - (keep - 1)
             fresh = self.model.new_cache(full.numel(), self.cache_kind, max_len=rows.columns)
-            self.feed(rows.history[full, start:new_length], fresh)
+            self.last_logits(rows.history[full, start:new_length], fresh)
             rows.write_rows(full, fresh, start)
         self.stats.reprefills += bool(full.numel())  # else only padding was dropped
 
@@ -332,6 +333,27 @@ def generate_tokens(model, prompts, max_new_tokens, **options):
     if steps:
         out[rows, columns] = torch.cat([tokens for _, tokens in steps])
     return out
+
+
+def reprefill_keep(context_len):
+    """The positions a row whose context is full keeps when it is computed again (the
+    reprefill policy, here and in the serving scheduler; a draft model's restart too): the
+    newest half of the context, so that one recomputation of context_len/2 tokens buys
+    context_len/2 new ones, about one extra position of work per token."""
+    return max(1, context_len // 2)
+
+
+def cache_columns(needed, limit, step):
+    """Positions a cache holds when it must hold `needed`: rounded up to a multiple of
+    step, at most limit. A generation's whole cache: what it can reach (its prompt, its new
+    tokens and a speculative step's proposals past the last) in steps of
+    CACHE_COLUMNS_STEP, at most the context (a longer generation moves
+    within a full cache: the context policies); a compiled cache as it grows: steps of
+    CACHE_GROWTH, at most that. Why not always the whole context: the compiled step attends
+    over every column of the buffer, the unwritten ones masked, and at GPT-2 small a
+    1024-column cache is 75 MB read per token, more than half the bytes of its int8 weights
+    (docs/benchmarks.md)."""
+    return min(limit, -(-needed // step) * step)
 
 
 def left_pad(prompts, context_len, device):

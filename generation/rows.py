@@ -161,15 +161,3 @@ class Rows:
             grown.append(new)
         self.cache.hold(grown, self.length)
 
-
-def cache_columns(needed, limit, step):
-    """Positions a cache holds when it must hold `needed`: rounded up to a multiple of
-    step, at most limit. A generation's whole cache: what it can reach (its prompt, its new
-    tokens and a speculative step's proposals past the last) in steps of
-    generation.loop.CACHE_COLUMNS_STEP, at most the context (a longer generation moves
-    within a full cache: the context policies); a compiled cache as it grows: steps of
-    CACHE_GROWTH, at most that. Why not always the whole context: the compiled step attends
-    over every column of the buffer, the unwritten ones masked, and at GPT-2 small a
-    1024-column cache is 75 MB read per token, more than half the bytes of its int8 weights
-    (docs/benchmarks.md)."""
-    return min(limit, -(-needed // step) * step)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from generation import compiled_step
-from generation.loop import left_pad
+from generation.loop import left_pad, reprefill_keep
 from generation.rows import Rows
 from sample import probabilities, sample
 
@@ -248,7 +248,7 @@ class DraftModel(Proposer):
             return Proposals(torch.zeros(R, k, dtype=torch.long, device=self.device),
                              torch.zeros(R, dtype=torch.long, device=self.device))
         if self.rows.length + self.unfed.size(1) + n > self.context_len:
-            self.restart(keep=min(self.context_len // 2, self.context_len - n))
+            self.restart(keep=min(reprefill_keep(self.context_len), self.context_len - n))
         self.held = self.rows.length + self.unfed.size(1)  # columns before the drafts
         logits = self.forward(self.unfed)
         tokens = torch.zeros(R, k, dtype=torch.long, device=self.device)

@@ -16,5 +16,8 @@ The plumbing around the lesson: what the commands need and the lesson's modules
     hf_tokenizer.py tokenizer.json as the part of a tiktoken Encoding our code uses
     outputs.py      files we write: checked before the work, written atomically, ours only
     user_text.py    user text to token ids, never a panic; a prompt begun as the model expects
+    text_input.py   a command's text input: a file or stdin, a JSON Lines file of prompts
+    scoring.py      generate.py --score: held-out bits per character, through the cache too
+    stats_report.py what generate.py --stats and --json report
     text_stream.py  tokens to text, one at a time; stop strings and end-of-sequence ids
 """

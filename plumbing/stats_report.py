@@ -80,7 +80,7 @@ def print_stats(r):
     if "cache_bytes_allocated" in r:
         lines += [f"KV cache:            {r['cache_formula']} = {r['cache_bytes_formula']:,} B by the formula",
                   f"                     {r['cache_bytes_allocated']:,} B allocated "
-                  f"(preallocated for the whole context); past the context: "
+                  f"(the most its tensors held); past the context: "
                   + (f"{r['reprefills']} reprefills" if r["context_policy"] == "reprefill"
                      else f"{r['evictions']} tokens evicted (sinks)")]
     else:

@@ -64,7 +64,7 @@ def fed_rows(batch, tokens_per_block, device):
                                         [ A0 A1 A2 A3 A4 ]   row 2 feeds A4: A's next token
 
     A row reads keys that rows before it write in the same pass: the step writes every
-    row's key and value into the pool before attention reads (paged_attention.PagedStep).
+    row's key and value into the pool before attention reads (paged_attention.PagedKernelCache).
     Returns the decode step's tensors as DecodeIndex.update does (tokens, positions,
     read_slots, write_slots, visible: R rows), and last (B,), each sequence's last row,
     whose logits and token are the sequence's."""

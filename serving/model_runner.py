@@ -59,13 +59,13 @@ def decodes_alone(batch):
 
 
 class ModelRunner:
-    def __init__(self, model, pool, vocab_size, max_batch, attention="kernel", compile=False):
-        """vocab_size: the tokenizer's tokens (the embedding table may have padding rows
+    def __init__(self, model, pool, vocab_limit, max_batch, attention="kernel", compile=False):
+        """vocab_limit: the tokenizer's tokens (the embedding table may have padding rows
         past them, which are never drawn). attention and compile: Engine's."""
-        self.model, self.pool, self.vocab_size = model, pool, vocab_size
+        self.model, self.pool, self.vocab_limit = model, pool, vocab_limit
         self.device = model.lm_head.weight.device
         self.compiled_decode = attention == "kernel"
-        self.lone = LoneStep(model, pool, vocab_size) if compile else None
+        self.lone = LoneStep(model, pool, vocab_limit) if compile else None
         self.lone_steps = self.compiled_prefills = 0
         self.index = DecodeIndex(pool.tokens_per_block, self.device)
         # Gumbel noise of the batch's draw (sample.sample_rows_with_noise), refilled each step
@@ -188,7 +188,7 @@ class ModelRunner:
         for row, r in enumerate(batch):
             if r.score_prompt:
                 L = r.context_len
-                rows = logits[row, T - L:T - 1, :self.vocab_size]                # (L - 1, V)
+                rows = logits[row, T - L:T - 1, :self.vocab_limit]                # (L - 1, V)
                 r.prompt_logprobs = [None] + log_probabilities(
                     rows, r.tokens[1:L], [r.params.prompt_logprobs] * (L - 1))
 
@@ -199,7 +199,7 @@ class ModelRunner:
         temperature (B,), and Gumbel noise (B, V), fresh when some row samples."""
         temperature = torch.tensor([r.params.temperature for r in batch], dtype=torch.float32,
                                    device=self.device)
-        noise = self.noise[:len(batch), :self.vocab_size]  # the tokenizer's tokens
+        noise = self.noise[:len(batch), :self.vocab_limit]  # the tokenizer's tokens
         if any(r.params.temperature > 0 and not r.draws_alone for r in batch):
             # -log(E) with E = -log(U) ~ Exp(1): torch's exponential_ is ~3x slower on this
             # CPU than uniform_ and a log (64 x 4096: 8.3 ms with it, 2.5 ms without)
@@ -211,7 +211,7 @@ class ModelRunner:
         step, the batch's or the lone step's greedy pick), except for the requests that draw
         alone (Request.draws_alone), each group of the same settings drawn together by
         sample(), a seeded request from its generator."""
-        logits = logits[:, :self.vocab_size]  # padding rows of the embedding table
+        logits = logits[:, :self.vocab_limit]  # padding rows of the embedding table
         tokens = drawn
         if tokens is None:
             temperature, noise = self.draw_inputs(batch)
@@ -234,7 +234,7 @@ class ModelRunner:
         rows = [i for i, r in enumerate(batch) if r.params.logprobs is not None]
         found = [None] * len(batch)
         if rows:
-            wanted = log_probabilities(logits[rows, :self.vocab_size], tokens[rows].tolist(),
+            wanted = log_probabilities(logits[rows, :self.vocab_limit], tokens[rows].tolist(),
                                        [batch[i].params.logprobs for i in rows])
             for i, logprob in zip(rows, wanted):
                 found[i] = logprob

@@ -97,7 +97,8 @@ def attention_for(kv):
 
 
 class PagedKernelCache:
-    """The pool as the cache of the compiled decode step (a kv_cache.Cache): each
+    """The pool as the cache of the compiled decode step (of kv_cache.Cache it has attend,
+    all that forward_at calls): each
     sequence's new key and value go to its slot of the pool, then the paged kernel
     (decode_attention, or its hand-written twin) reads every column through the block
     tables where it lies. (serving/paged_cache.PagedCache, the eager steps' cache, gathers

@@ -24,6 +24,8 @@ tokens, so one 200-token prompt in a decode batch would make every row pay for 2
 
 from collections import deque
 
+from generation.loop import reprefill_keep
+
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
@@ -163,7 +165,7 @@ class Scheduler:
         The sequence keeps its newest context_len // 2 tokens, which are prefilled again at
         positions 0.. (learned positions end at context_len, and cached keys cannot move to
         new positions)."""
-        keep = max(1, self.context_len // 2)
+        keep = reprefill_keep(self.context_len)
         self.drop(seq)
         seq.start = len(seq.tokens) - keep
         seq.state = WAITING

@@ -33,7 +33,8 @@ def test_stats_formula_counts_the_scales():
     assert stats["cache_formula"] == ("2 x 6 layers x 4 kv heads x L=31 x (64 head_dim x 0.5 B "
                                       "+ 2 x 2 B scales) x 1 rows")
     assert stats["cache_bytes_formula"] == cache_bytes(BUNDLED_SHAPE, 31, 1, "int4") == 31 * 1728
-    # preallocated for the whole context: the formula at L = context_len, to the byte
+    # preallocated for what the generation can reach, rounded up to 256 positions: here the
+    # bundled model's whole context, the formula at L = context_len, to the byte
     assert stats["cache_bytes_allocated"] == cache_bytes(BUNDLED_SHAPE, 256, 1, "int4")
     proc = generate(*GREEDY, "--kv-dtype", "int8", "--stats")
     assert "(64 head_dim x 1 B + 1 x 2 B scale)" in proc.stderr and "811,008 B allocated" in proc.stderr

@@ -1,5 +1,5 @@
 """Speculative decoding (generation/speculative.py) and the rollback it needs from every
-cache kind (generation/rows.py's Rows.rollback, the paged pool's Scheduler.rollback).
+cache kind (generation/rows.py's Rows.rollback).
 
 Greedy: token equality with plain decoding is exact, for every proposer, cache kind and
 batch; the verification pass computes the same logits in one (B, K + 1) matmul instead
