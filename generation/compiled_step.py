@@ -42,12 +42,12 @@ shape by nature and stay eager (generation/loop.py). Rows that finish early keep
 """
 
 import itertools
-import tempfile
 import time
 import warnings
 
 import torch
 
+from generation import step_cache
 from kv_quant import dtype_name
 from sample import sample_with_noise
 
@@ -170,16 +170,25 @@ def build_program(program, example_inputs, dynamic_shapes=None):
     inputs, no wrapper.
 
     The library keeps its own copy of the weights (quantized ones repacked for their
-    kernels): the model's memory once more while it lives. The package is a scratch file,
-    deleted once loaded."""
-    exported = export_program(program, example_inputs, dynamic_shapes)
-    with tempfile.TemporaryDirectory(prefix="kvcache-step-") as folder, warnings.catch_warnings():
-        # deprecation notices from inside torch (its export, its autotuning), nothing of ours
-        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
-        warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
-        path = torch._inductor.aoti_compile_and_package(exported, package_path=f"{folder}/step.pt2",
-                                                        inductor_configs=BUILD_OPTIONS)
-        return torch._inductor.aoti_load_package(path).loader.boxed_run
+    kernels): the model's memory once more while it lives. Its package is kept in the
+    user's cache (step_cache.py), keyed by the weights, the shapes, the settings and the
+    machine: the next start with the same model loads it instead of building it."""
+    def build(path):  # the package, written at path
+        exported = export_program(program, example_inputs, dynamic_shapes)
+        with warnings.catch_warnings():
+            # deprecation notices from inside torch (its export, its autotuning), nothing of ours
+            warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(path),
+                                                     inductor_configs=BUILD_OPTIONS)
+
+    key = step_cache.step_key(program, example_inputs, dynamic_shapes, BUILD_OPTIONS)
+    return step_cache.load_or_build(key, build, load_library)
+
+
+def load_library(path):
+    """The package at path loaded: a function of a list of input tensors."""
+    return torch._inductor.aoti_load_package(str(path)).loader.boxed_run
 
 
 class CompiledStep:
