@@ -179,8 +179,10 @@ def build_program(program, example_inputs, dynamic_shapes=None):
             # deprecation notices from inside torch (its export, its autotuning), nothing of ours
             warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
             warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+            # a copy: torch adds its own entries to the dict it is given, which would change
+            # BUILD_OPTIONS, and with it the cache's key, for the next build
             torch._inductor.aoti_compile_and_package(exported, package_path=str(path),
-                                                     inductor_configs=BUILD_OPTIONS)
+                                                     inductor_configs=dict(BUILD_OPTIONS))
 
     key = step_cache.step_key(program, example_inputs, dynamic_shapes, BUILD_OPTIONS)
     return step_cache.load_or_build(key, build, load_library)
