@@ -59,8 +59,9 @@ def parse_args():
                    "gather of the paged cache (starts at once)")
     p.add_argument("--compile", action="store_true",
                    help="a request decoding alone goes through generate.py --compile's step "
-                   "(AOTInductor), not the paged engine: faster for one user. Built at start-up "
-                   "(seconds to minutes; the library holds a second copy of the weights)")
+                   "(AOTInductor), not the paged engine: faster for one user. Built at the first start "
+                   "(seconds to minutes), loaded from the cache after; the library holds a second "
+                   "copy of the weights")
     add_compile_cache_arg(p)
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template for /v1/chat/completions (default: the --hf "

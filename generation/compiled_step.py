@@ -34,7 +34,9 @@ that check the inputs still match the graph, a wrapper around it), a fixed cost 
 that a small model feels. torch.export and AOTInductor (build_program) make the same graph
 into a library called with a list of tensors and nothing else; the sampling is inside it
 (sample.sample_with_noise), so a step hands back token ids, and its inputs (position,
-noise) are buffers refilled in place: a step allocates nothing but its output.
+noise) are buffers refilled in place: a step allocates nothing but its output. A build
+takes tens of seconds; its package is kept on disk (step_cache.py), so each model is built
+once per machine and later starts load it.
 
 Only decode is compiled; the prompt's prefill and the reprefill past the context change
 shape by nature and stay eager (generation/loop.py). Rows that finish early keep running
@@ -189,8 +191,11 @@ def build_program(program, example_inputs, dynamic_shapes=None):
 
 
 def load_library(path):
-    """The package at path loaded: a function of a list of input tensors."""
-    return torch._inductor.aoti_load_package(str(path)).loader.boxed_run
+    """The package at path loaded: a function of a list of input tensors. Through torch's
+    C++ loader itself, which torch._inductor.aoti_load_package wraps: importing
+    torch._inductor for the wrapper takes 2-3 s, most of a start that finds the package
+    built, and the loader 0.06 s (the bundled model)."""
+    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1).boxed_run
 
 
 class CompiledStep:
