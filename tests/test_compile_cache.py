@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from base_model import GPTConfig
-from conftest import tiny_model
+from conftest import run_script, tiny_model
 from generation import compiled_step, step_cache
 from generation.compiled_step import BUILD_OPTIONS, StepProgram
 from kv_cache import KVCache
@@ -183,3 +183,10 @@ def test_a_real_build_is_loaded_again_by_a_second_start(folder, capsys):
     err = capsys.readouterr().err
     assert err.count("building the compiled step") == 1 and "loaded from the cache" in err
     assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("script", ["generate.py", "kv_cache.py", "serve.py"])
+def test_no_compile_cache_applies_to_compile(script):
+    result = run_script(script, "--no-compile-cache")
+    assert result.returncode == 2
+    assert "--no-compile-cache applies to --compile; add it, or drop --no-compile-cache" in result.stderr
