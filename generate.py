@@ -44,8 +44,9 @@ from generation.speculative import DraftModel  # noqa: E402
 from kv_cache import CACHED_MODELS  # noqa: E402
 from kv_quant import KV_DTYPES, dtype_name  # noqa: E402
 from plumbing.checkpoint import NAIVE_MODELS  # noqa: E402
-from plumbing.cli import (ArgumentParser, add_model_args, add_speculation_args,  # noqa: E402
-                          check_speculation_args, load_from_args, positive_int, proposer_from_args)
+from plumbing.cli import (ArgumentParser, add_compile_cache_arg, add_model_args,  # noqa: E402
+                          add_speculation_args, check_speculation_args, load_from_args, positive_int,
+                          proposer_from_args, use_compile_cache_arg)
 from plumbing.memory import check_fits_in_memory, generation_memory  # noqa: E402
 from plumbing.outputs import json_text  # noqa: E402
 from plumbing.scoring import score  # noqa: E402
@@ -84,6 +85,7 @@ def parse_args():
     p.add_argument("--compile", action="store_true",
                    help="decode through a static-shape step compiled ahead of time (AOTInductor) "
                    "(compiling takes a while: --stats reports it apart from the decode speed)")
+    add_compile_cache_arg(p)
     p.add_argument("--kv-dtype", choices=KV_DTYPES, help="store the KV cache as this dtype "
                    "(int8, int4: quantized, scales counted in --stats); attention still runs in "
                    "--dtype (default: the model's dtype). With --score: score through the cache")
@@ -129,6 +131,7 @@ def parse_args():
     if args.score is not None:
         refuse_generation_flags(p, args)
     check_speculation_args(p, args)
+    use_compile_cache_arg(p, args)
     if args.speculate and args.no_cache:
         p.error("--speculate: speculative decoding rolls a cache back, and --no-cache keeps none; "
                 "drop one of them")

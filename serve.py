@@ -26,7 +26,8 @@ if __name__ == "__main__":  # run as a command; importing this file changes noth
     begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
 
 from kv_cache import CACHED_MODELS  # noqa: E402
-from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
+from plumbing.cli import (ArgumentParser, add_compile_cache_arg, add_model_args, load_from_args,  # noqa: E402
+                          positive_int, use_compile_cache_arg)
 from serving.admission import SERVING_CONTEXT_POLICIES, Limits  # noqa: E402
 
 API_KEY_VARIABLE = "KVCACHE_API_KEY"
@@ -58,8 +59,10 @@ def parse_args():
                    "gather of the paged cache (starts at once)")
     p.add_argument("--compile", action="store_true",
                    help="a request decoding alone goes through generate.py --compile's step "
-                   "(AOTInductor), not the paged engine: faster for one user. Built at start-up "
-                   "(seconds to minutes; the library holds a second copy of the weights)")
+                   "(AOTInductor), not the paged engine: faster for one user. Built at the first start "
+                   "(seconds to minutes), loaded from the cache after; the library holds a second "
+                   "copy of the weights")
+    add_compile_cache_arg(p)
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template for /v1/chat/completions (default: the --hf "
                    "directory's own, from tokenizer_config.json or chat_template.jinja; without "
@@ -76,6 +79,7 @@ def parse_args():
                    "one of the server's: its paged pool does not move cached keys")
     add_limit_args(p)
     args = p.parse_args()
+    use_compile_cache_arg(p, args)
     if args.context_policy not in SERVING_CONTEXT_POLICIES:
         why = (": sinks is generate.py's policy (the paged pool does not move cached keys)"
                if args.context_policy == "sinks" else "")
@@ -132,8 +136,6 @@ def main():
     from serving.server import BackgroundServer
 
     model, tokenizer, _ = load_from_args(CACHED_MODELS, args)
-    if args.compile:
-        print("building the compiled step for a lone request (once)...", file=sys.stderr, flush=True)
     try:
         engine = Engine(model, tokenizer, num_blocks=args.num_blocks,
                         tokens_per_block=args.tokens_per_block, max_batch=args.max_batch,

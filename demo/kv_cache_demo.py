@@ -17,8 +17,9 @@ from generation.rows import Rows
 from generation.speculative import PromptLookup, verify
 from kv_quant import KV_DTYPES, cache_bytes, cache_formula, dtype_name
 from plumbing.checkpoint import NAIVE_MODELS
-from plumbing.cli import (ArgumentParser, add_model_args, add_speculation_args, check_speculate,
-                          load_from_args, positive_int, prepare_for_generation, proposer_from_args)
+from plumbing.cli import (ArgumentParser, add_compile_cache_arg, add_model_args, add_speculation_args,
+                          check_speculate, load_from_args, positive_int, prepare_for_generation,
+                          proposer_from_args, use_compile_cache_arg)
 from plumbing.script import UserError
 from plumbing.user_text import prompt_tokens
 
@@ -31,10 +32,13 @@ def parse_args():
                         help="tokens to generate in the speed test (default: 200)")
     parser.add_argument("--compile", action="store_true", help="also time the cached loop "
                         "with its static-shape decode step compiled (generation/compiled_step.py)")
+    add_compile_cache_arg(parser)
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, help="also store the cache as this "
                         "dtype (int8, int4: quantized; kv_quant.py) and use it in parts 2-5")
     add_speculation_args(parser)
-    return parser.parse_args()
+    args = parser.parse_args()
+    use_compile_cache_arg(parser, args)
+    return args
 
 
 def naive_twin(model, args, device):

@@ -8,6 +8,9 @@ Generation: a model and prompts in, tokens out, one step at a time.
                       padding, and every move on them (select, drop, forget, rollback)
     steps.py          one decode step, step(newest): plain, compiled, or speculative
     compiled_step.py  the decode step with shapes that never change, compiled once (--compile)
+    step_cache.py     the compiled steps kept on disk, keyed by the weights, shapes, settings and
+                      machine: built once per model and machine (private_folder.py: the
+                      folder's checks)
     cpu_layout.py     large float32 Linear weights packed once for oneDNN's matmul (batches,
                       prefills and the serving engine run 1.3-2.8x faster per matmul)
     speculative.py    speculative decoding: proposers (prompt lookup, a draft model) and the

@@ -34,7 +34,9 @@ that check the inputs still match the graph, a wrapper around it), a fixed cost 
 that a small model feels. torch.export and AOTInductor (build_program) make the same graph
 into a library called with a list of tensors and nothing else; the sampling is inside it
 (sample.sample_with_noise), so a step hands back token ids, and its inputs (position,
-noise) are buffers refilled in place: a step allocates nothing but its output.
+noise) are buffers refilled in place: a step allocates nothing but its output. A build
+takes tens of seconds; its package is kept on disk (step_cache.py), so each model is built
+once per machine and later starts load it.
 
 Only decode is compiled; the prompt's prefill and the reprefill past the context change
 shape by nature and stay eager (generation/loop.py). Rows that finish early keep running
@@ -42,12 +44,12 @@ shape by nature and stay eager (generation/loop.py). Rows that finish early keep
 """
 
 import itertools
-import tempfile
 import time
 import warnings
 
 import torch
 
+from generation import step_cache
 from kv_quant import dtype_name
 from sample import sample_with_noise
 
@@ -171,16 +173,30 @@ def build_program(program, example_inputs, dynamic_shapes=None):
     inputs, no wrapper.
 
     The library keeps its own copy of the weights (quantized ones repacked for their
-    kernels): the model's memory once more while it lives. The package is a scratch file,
-    deleted once loaded."""
-    exported = export_program(program, example_inputs, dynamic_shapes)
-    with tempfile.TemporaryDirectory(prefix="kvcache-step-") as folder, warnings.catch_warnings():
-        # deprecation notices from inside torch (its export, its autotuning), nothing of ours
-        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
-        warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
-        path = torch._inductor.aoti_compile_and_package(exported, package_path=f"{folder}/step.pt2",
-                                                        inductor_configs=BUILD_OPTIONS)
-        return torch._inductor.aoti_load_package(path).loader.boxed_run
+    kernels): the model's memory once more while it lives. Its package is kept in the
+    user's cache (step_cache.py), keyed by the weights, the shapes, the settings and the
+    machine: the next start with the same model loads it instead of building it."""
+    def build(path):  # the package, written at path
+        exported = export_program(program, example_inputs, dynamic_shapes)
+        with warnings.catch_warnings():
+            # deprecation notices from inside torch (its export, its autotuning), nothing of ours
+            warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+            # a copy: torch adds its own entries to the dict it is given, which would change
+            # BUILD_OPTIONS, and with it the cache's key, for the next build
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(path),
+                                                     inductor_configs=dict(BUILD_OPTIONS))
+
+    key = step_cache.step_key(program, example_inputs, dynamic_shapes, BUILD_OPTIONS)
+    return step_cache.load_or_build(key, build, load_library)
+
+
+def load_library(path):
+    """The package at path loaded: a function of a list of input tensors. Through torch's
+    C++ loader itself, which torch._inductor.aoti_load_package wraps: importing
+    torch._inductor for the wrapper takes 2-3 s, most of a start that finds the package
+    built, and the loader 0.06 s (the bundled model)."""
+    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1).boxed_run
 
 
 class CompiledStep:

@@ -7,6 +7,7 @@ Errors a user can fix are UserError (plumbing/script.py): run() prints them as o
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 from base_model import store_linears_column_major
 from generation.cpu_layout import pack_linears
 from generation.speculative import DraftModel, PromptLookup
+from generation.step_cache import OFF_VARIABLE
 from kv_quant import FLOAT_DTYPES
 from plumbing.checkpoint import load_model
 from plumbing.hf import load_hf_model
@@ -149,6 +151,26 @@ def quantize_from_args(model, args):
             hint = f"--group-size {INT4_GROUP_SIZES[0]} or --quantize int8" if smaller else "--quantize int8"
             raise UserError(f"--quantize {args.quantize}: {e}; try {hint}") from None
     return model
+
+
+# ---------------------------------------------------------------------------- the compiled step's cache
+
+def add_compile_cache_arg(parser):
+    """--no-compile-cache, beside a script's --compile (generation/step_cache.py)."""
+    parser.add_argument("--no-compile-cache", action="store_true", help="with --compile: build "
+                        "the compiled step afresh and keep nothing (default: it is kept in "
+                        "~/.cache/kvcache-gpt/compiled-steps, or $KVCACHE_GPT_CACHE_DIR, and "
+                        "loaded by the next start with the same model on this machine)")
+
+
+def use_compile_cache_arg(parser, args):
+    """--no-compile-cache needs --compile (one line, exit 2). Given, it sets the variable
+    the library reads, so every step this process builds (a draft's, a server's) is built
+    afresh."""
+    if args.no_compile_cache and not args.compile:
+        parser.error("--no-compile-cache applies to --compile; add it, or drop --no-compile-cache")
+    if args.no_compile_cache:
+        os.environ[OFF_VARIABLE] = "1"
 
 
 # ---------------------------------------------------------------------------- speculation

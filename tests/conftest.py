@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from base_model import GPTConfig  # noqa: E402
 from plumbing.checkpoint import save_checkpoint  # noqa: E402
-from generation import compiled_step  # noqa: E402
+from generation import compiled_step, step_cache  # noqa: E402
 from kv_cache import KVCacheGPT  # noqa: E402
 from plumbing.tokenizer import encoding_from_spec  # noqa: E402
 
@@ -76,6 +76,16 @@ def spread_out(model, std):
 @pytest.fixture(params=range(len(TINY_CONFIGS)), ids=["4heads", "3heads-nobias"])
 def config(request):
     return TINY_CONFIGS[request.param]
+
+
+@pytest.fixture(autouse=True)
+def session_step_cache(tmp_path_factory, monkeypatch):
+    """The compiled steps the tests build are kept in one temporary folder for the whole
+    session, never in the user's cache (~/.cache): a later test building the same step
+    loads it (step_cache.py). A test that turns the cache off (generate.py
+    --no-compile-cache sets the variable) turns it off for itself only."""
+    monkeypatch.setenv(step_cache.FOLDER_VARIABLE, str(tmp_path_factory.getbasetemp() / "compiled-steps"))
+    monkeypatch.delenv(step_cache.OFF_VARIABLE, raising=False)
 
 
 @pytest.fixture
