@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from serving.kernel_build import build_directory, library_name
+from serving.kernel_build import build_directory, build_kernel, library_name
 from serving.paged_attention import decode_attention, hand_written_kernel
 
 
@@ -94,3 +94,22 @@ def test_a_build_killed_midway_does_not_stop_the_next_load(kernel):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True"] and not (directory / "lock").exists()
+
+
+
+def test_an_unsafe_build_folder_or_a_planted_lock_link_is_refused_in_one_line(tmp_path, monkeypatch):
+    # the folder holds a library that is loaded and run: one anyone may write could hold a
+    # library planted there, so nothing is built or loaded from it (the PyTorch kernel
+    # serves instead); a link at the lock's name is not followed (it would truncate its target)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = build_directory(library_name("k"))
+    assert folder.stat().st_mode & 0o777 == 0o700
+    folder.chmod(0o777)
+    assert "writable by its group or others" in build_kernel(ROOT / "missing.cpp", "k")
+    folder.chmod(0o700)
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    (folder / "kvcache_gpt.lock").symlink_to(target)
+    error = build_kernel(ROOT / "missing.cpp", "k")
+    assert error is not None and "\n" not in error
+    assert target.read_text() == "keep me"
