@@ -149,14 +149,22 @@ def read_weight_file(file):
     # so the file's size bounds what reading it allocates
     check_file_fits(file)
     try:
-        # each tensor memory-mapped on its own: read from the file when used, and its pages
-        # let go when it is (a tensor converted to another dtype while loading)
         with safe_open(file, "pt") as f:
-            state_dict = {key: f.get_tensor(key) for key in f.keys()}
+            keys = list(f.keys())
+        # one opening per tensor: the tensors of one opening share its memory map, which the
+        # file's pages stay in until the last of them is gone; each on its own, a tensor
+        # converted to another dtype while loading lets go of its pages once converted
+        state_dict = {key: read_one_tensor(safe_open, file, key) for key in keys}
     except Exception as e:  # a truncated or foreign file fails in several ways
         raise CheckpointError(f"{file}: not a readable safetensors file ({type(e).__name__})") from None
     check_tensors(state_dict, file)
     return state_dict
+
+
+def read_one_tensor(safe_open, file, key):
+    """One tensor of a .safetensors file, memory-mapped (read from the file when used)."""
+    with safe_open(file, "pt") as f:
+        return f.get_tensor(key)
 
 
 def to_our_state_dict(hf_state_dict):
