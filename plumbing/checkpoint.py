@@ -203,7 +203,8 @@ def fill_model(model, state_dict, source, device, dtype, replace_linear=None):
     weights, no copy. Any other is converted alone, so that at most one tensor exists twice
     while loading."""
     tied = tied_embedding(model)
-    for name, module in list(model.named_modules()):
+    for name in [name for name, _ in model.named_modules()]:
+        module = model.get_submodule(name)  # by name: a replaced Linear must not stay referenced
         if module is model.lm_head and tied is not None:
             module.weight = tied.weight  # assigning the embedding made it a new Parameter: tie again
         else:
