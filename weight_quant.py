@@ -188,11 +188,7 @@ class Int4Linear(QuantizedLinear):
 
     def __init__(self, linear, group_size=INT4_GROUP_SIZE, use_cpu_kernel=None, activation_dtype=None):
         super().__init__(linear, use_cpu_kernel, activation_dtype)
-        if group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
-        if self.in_features % group_size:
-            raise ValueError(f"int4 needs every Linear's input width to be a multiple of the "
-                             f"group size {group_size}, and one is {self.in_features}")
+        check_int4_fits(self.in_features, group_size)
         self.group_size = group_size
         self.set_weight(linear.weight.detach())
 
@@ -241,35 +237,57 @@ def int4_group_size(model):
     return max(fitting, default=INT4_GROUP_SIZES[0])
 
 
-@torch.no_grad()
-def quantize_model(model, scheme, group_size=None, use_cpu_kernel=None):
-    """Replace every nn.Linear of a loaded model (either family, naive or cached) by its
-    quantized version, in place, and return the model. scheme: 'int8' or 'int4'; group_size:
-    int4's (default: int4_group_size(model)). Quantize after .to(device, dtype).
+def check_int4_fits(in_features, group_size):
+    """ValueError (one line) unless int4 in groups of group_size applies to this width."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if in_features % group_size:
+        raise ValueError(f"int4 needs every Linear's input width to be a multiple of the "
+                         f"group size {group_size}, and one is {in_features}")
+
+
+def linear_quantizer(model, scheme, group_size=None, use_cpu_kernel=None):
+    """A function linear -> the module to stand in its place: its quantized version, or the
+    Linear itself for an untied lm_head (every caller reads the model's device and dtype
+    from model.lm_head.weight, which a quantized Linear no longer has). Checked against the
+    whole model first, so that a width the scheme refuses fails before any Linear changes;
+    it reads only shapes, so a model built on the meta device (plumbing/checkpoint.py,
+    which quantizes each Linear as its weight is read) is checked the same way.
     Raises ValueError (a one-line message) where the scheme cannot apply."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}: choose one of {', '.join(SCHEMES)}")
-    if scheme == "int4" and group_size is None:
-        group_size = int4_group_size(model)
-
-    def quantized(linear):
-        if scheme == "int8":
-            return Int8Linear(linear, use_cpu_kernel)
-        return Int4Linear(linear, group_size, use_cpu_kernel)
-
+    if scheme == "int4":
+        group_size = int4_group_size(model) if group_size is None else group_size
+        for width in {m.in_features for m in model.modules() if isinstance(m, nn.Linear)}:
+            check_int4_fits(width, group_size)  # (an untied lm_head's width is n_embd, as others')
     # the embedding the output layer is tied to (GPT-2's, and some Llamas'), if it is
     embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)
                       and m.weight is model.lm_head.weight), None)
-    # build every replacement first, so that a shape the scheme refuses leaves the model as it was;
-    # an untied lm_head (most Llamas) stays as it is: every caller reads the model's device and
-    # dtype from model.lm_head.weight, which a quantized Linear no longer has
-    replacements = [(parent, name, quantized(child)) for parent in model.modules()
-                    for name, child in parent.named_children() if isinstance(child, nn.Linear)
-                    and (child is not model.lm_head or embedding is not None)]
-    for parent, name, module in replacements:
-        setattr(parent, name, module)
-    if embedding is not None:
-        # the tied lm_head: its matmul is quantized, but its weight is also the token embedding,
-        # which stays exact; keeping it here keeps model.lm_head.weight and the state dict as they were
-        model.lm_head.weight = embedding.weight
+
+    @torch.no_grad()
+    def quantized(linear):
+        if linear is model.lm_head and embedding is None:
+            return linear
+        module = (Int8Linear(linear, use_cpu_kernel) if scheme == "int8"
+                  else Int4Linear(linear, group_size, use_cpu_kernel))
+        if linear is model.lm_head:
+            # the tied lm_head: its matmul is quantized, but its weight is also the token
+            # embedding, which stays exact; keeping it here keeps model.lm_head.weight and the
+            # state dict as they were
+            module.weight = linear.weight
+        return module
+    return quantized
+
+
+def quantize_model(model, scheme, group_size=None, use_cpu_kernel=None):
+    """Replace every nn.Linear of a loaded model (either family, naive or cached) by its
+    quantized version (linear_quantizer), in place, and return the model. scheme: 'int8' or
+    'int4'; group_size: int4's (default: int4_group_size(model)). Quantize after
+    .to(device, dtype). Raises ValueError (a one-line message) where the scheme cannot
+    apply, leaving the model as it was."""
+    quantized = linear_quantizer(model, scheme, group_size, use_cpu_kernel)
+    linears = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    for parent, name, linear in linears:
+        setattr(parent, name, quantized(linear))
     return model

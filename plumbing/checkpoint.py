@@ -20,13 +20,15 @@ import math
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 from base_model import GPT
-from llama import Llama
+from llama import Llama, rope_frequencies
 from plumbing.files import read_checkpoint
 from plumbing.model_config import LAYER_KEY, layer_indices, make_config
 from plumbing.script import CheckpointError, short_repr
 from plumbing.tokenizer import encoding_from_spec
+from weight_quant import linear_quantizer
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 BUNDLED = ROOT / "checkpoints" / "shakespeare" / "ckpt.pt"
@@ -165,51 +167,163 @@ def check_tokenizer_fits(tokenizer, config, source):
 
 # ---------------------------------------------------------------------------- loading
 
-def build_model(classes, config, state_dict, tokenizer, source):
+def build_model(classes, config, state_dict, tokenizer, source, device="cpu", dtype=torch.float32,
+                quantize=None, group_size=None):
     """The model of config's family, built by classes[family] (NAIVE_MODELS, or
-    kv_cache.CACHED_MODELS) and holding state_dict, once everything about it is checked:
-    the tokenizer fits the vocabulary, the weights are finite, and (before the model's n
-    layers are constructed) the layers are there; then every key and shape. Both loaders
-    come through here, so that no script can skip a check."""
+    kv_cache.CACHED_MODELS) and holding state_dict on `device` in `dtype`, once everything
+    about it is checked: the tokenizer fits the vocabulary, (before the model's n layers are
+    constructed) the layers are there, then every key and shape, and each weight as it is
+    put in. Both loaders come through here, so that no script can skip a check.
+
+    The model is built on the meta device: shapes, no memory and no random initialisation;
+    fill_model then gives it the file's tensors. With quantize ("int8" or "int4", and int4's
+    group_size), each Linear is quantized (weight_quant.linear_quantizer) as soon as its
+    weight is in: the float weights of the whole model never exist at once (ValueError where
+    the scheme cannot apply, before any weight is read). state_dict is emptied as it is
+    read, so that a converted tensor's file pages are let go."""
     if config.family not in classes:
         raise CheckpointError(f"{source}: a {config.family}-family model, which this command does "
                               f"not run (it runs {', '.join(classes)})")
     check_tokenizer_fits(tokenizer, config, source)
     check_layer_count(state_dict, config, source)
-    check_values(state_dict, source)
-    state_dict = tie_output_layer(state_dict, config)
-    model = classes[config.family](config)
+    tie_output_layer(state_dict, config)
+    with torch.device("meta"):
+        model = classes[config.family](config)
     check_weights(state_dict, model.state_dict(), source, config)
-    model.load_state_dict(state_dict, strict=True)  # copies into the model's fp32 parameters
-    return model
+    replace_linear = None if quantize is None else linear_quantizer(model, quantize, group_size)
+    fill_model(model, state_dict, source, device, dtype, replace_linear)
+    return model.eval()
+
+
+def fill_model(model, state_dict, source, device, dtype, replace_linear=None):
+    """Give a meta-built model its tensors, one module at a time, each checked (check_values)
+    and then moved to device and dtype; replace_linear(linear) -> module, when given, is
+    installed in each Linear's place once the Linear is loaded. A tensor already there (a
+    memory-mapped file's, in the run's dtype) is assigned as it lies: its pages are the
+    weights, no copy. Any other is converted alone, so that at most one tensor exists twice
+    while loading."""
+    tied = tied_embedding(model)
+    for name in [name for name, _ in model.named_modules()]:
+        module = model.get_submodule(name)  # by name: a replaced Linear must not stay referenced
+        if module is model.lm_head and tied is not None:
+            module.weight = tied.weight  # assigning the embedding made it a new Parameter: tie again
+        else:
+            load_own_tensors(module, name, state_dict, source, device, dtype)
+        if replace_linear is not None and isinstance(module, nn.Linear):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, replace_linear(module))
+    state_dict.clear()  # the tied lm_head's entry, read as the embedding
+    compute_derived_tensors(model)
+
+
+def load_own_tensors(module, name, state_dict, source, device, dtype):
+    """Assign a module's own parameters (not its children's) from state_dict, popping them."""
+    prefix = f"{name}." if name else ""
+    own = {}
+    for key, _ in module.named_parameters(recurse=False):
+        tensor = state_dict.pop(prefix + key)
+        check_values({prefix + key: tensor}, source)
+        own[key] = tensor.to(device=device, dtype=dtype)  # the same tensor where it already is
+    if own:
+        module.load_state_dict(own, strict=False, assign=True)
+
+
+def tied_embedding(model):
+    """The embedding whose weight is the lm_head's, or None: read before loading, which
+    gives each module a Parameter of its own."""
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding)
+                 and m.weight is model.lm_head.weight), None)
+
+
+def compute_derived_tensors(model):
+    """What a model computes in __init__ rather than loads was computed on meta with the
+    rest: a Llama's rotary frequencies (a plain tensor: see llama.Llama) are computed again,
+    for real. Then nothing may be left on meta."""
+    if isinstance(model, Llama):
+        model.inv_freq = rope_frequencies(model.config)
+    for module_name, module in model.named_modules():
+        tensors = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False)),
+                   **{k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}}
+        left = next((k for k, t in tensors.items() if t.is_meta), None)
+        if left is not None:
+            raise RuntimeError(f"{module_name or 'the model'}.{left} was not loaded: still on the meta device")
 
 
 def tie_output_layer(state_dict, config):
     """A tied output layer is often saved once, as the embedding (safetensors refuses one
-    tensor twice): give lm_head its tensor back. Only when the config ties them: an untied
-    model without its lm_head is a missing key."""
+    tensor twice): give lm_head its tensor back, in state_dict itself (no second dict to
+    hold the file's tensors). Only when the config ties them: an untied model without its
+    lm_head is a missing key."""
     tied = config.family == "gpt" or config.tie_embeddings
     embedding = EMBEDDING[config.family]
     if tied and "lm_head.weight" not in state_dict and embedding in state_dict:
-        return {**state_dict, "lm_head.weight": state_dict[embedding]}
-    return state_dict
+        state_dict["lm_head.weight"] = state_dict[embedding]
 
 
-def load_model(classes, path=None, device="cpu", dtype=torch.float32, report=print):
+# ---------------------------------------------------------------------------- --dtype auto
+
+def auto_dtype(saved, device):
+    """(dtype, why): the dtype a checkpoint saved as `saved` runs in on `device` under
+    --dtype auto: its own, where this device computes it at least as fast as float32.
+    On a CPU, torch's bfloat16 (and float16) matrix-vector product makes a decode step
+    slower than float32's, so a half-precision checkpoint computes in float32 there: each
+    tensor is converted as it is read, one float32 copy (twice the file), the size of the
+    float32 format itself. A GPU keeps bfloat16 and float16."""
+    if saved == torch.float32:
+        return saved, "the checkpoint's own"
+    name = str(saved).removeprefix("torch.")
+    if device.type == "cpu":
+        return torch.float32, (f"the checkpoint is {name}, which decodes slower than float32 on a "
+                               "CPU; converted while loading: one float32 copy, twice the file")
+    if saved == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float32, "the checkpoint is bfloat16, which this GPU does not compute"
+    return saved, "the checkpoint's own"
+
+
+def resolve_dtype(dtype, saved, device):
+    """(dtype, the line to say or None): dtype itself, or for "auto" auto_dtype's pick, said
+    in one line where the checkpoint is not float32 (a float32 one runs as it always did)."""
+    if dtype != "auto":
+        return dtype, None
+    dtype, why = auto_dtype(saved, torch.device(device))
+    if saved == torch.float32:
+        return dtype, None
+    return dtype, f"dtype {str(dtype).removeprefix('torch.')} ({why}; --dtype chooses another)"
+
+
+def saved_dtype(obj):
+    """The dtype a checkpoint of ours says its model computed in (save_checkpoint records
+    it); float32 where it says nothing, as every model was trained in float32."""
+    name = obj.get("dtype") if isinstance(obj, dict) else None
+    return getattr(torch, name) if name in FLOAT_DTYPE_NAMES else torch.float32
+
+
+FLOAT_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def load_model(classes, path=None, device="cpu", dtype=torch.float32, report=print,
+               quantize=None, group_size=None):
     """Build a model from a checkpoint, with classes[family] (NAIVE_MODELS, or
     kv_cache.CACHED_MODELS); returns (model, tokenizer).
 
     With no path (None), the default chain is used; an empty string is refused. The weights
-    are loaded in fp32 and then cast to dtype. `report` receives the one line that says
-    what was loaded."""
+    are read from the memory-mapped file and put in the model in dtype ("auto": the one the
+    checkpoint records, see auto_dtype), on device, one tensor at a time (build_model).
+    `report` receives the one line that says what was loaded (and, under "auto" for a
+    checkpoint not in float32, one that says which dtype and why)."""
     path = default_checkpoint() if path is None else path
-    state_dict, config_dict, tokenizer_spec = split_checkpoint(read_checkpoint(path), path)
+    obj = read_checkpoint(path)
+    state_dict, config_dict, tokenizer_spec = split_checkpoint(obj, path)
+    dtype, dtype_line = resolve_dtype(dtype, saved_dtype(obj), device)
+    del obj  # the state dict alone holds the file's tensors, and lets go of each once it is in
     state_dict = clean_state_dict(state_dict)
     config = make_config(config_dict, state_dict, path)
     tokenizer = encoding_from_spec(tokenizer_spec, path)
-    model = build_model(classes, config, state_dict, tokenizer, path)
+    model = build_model(classes, config, state_dict, tokenizer, path, device, dtype, quantize, group_size)
     report(f"loaded {path} ({describe(model)}, tokenizer {tokenizer.name}, {tokenizer.n_vocab} tokens)")
-    return model.to(device=device, dtype=dtype).eval(), tokenizer
+    if dtype_line:
+        report(dtype_line)
+    return model, tokenizer
 
 
 def describe(model):
@@ -220,8 +334,9 @@ def describe(model):
 
 
 def save_checkpoint(path, model, tokenizer_spec=None, dtype=None, **extra):
-    """Write {'model', 'config', 'tokenizer', ...extra}: plain data that weights_only loads.
-    dtype (e.g. torch.float16) shrinks the file; load_model brings it back to fp32."""
+    """Write {'model', 'config', 'dtype', 'tokenizer', ...extra}: plain data that weights_only
+    loads. dtype (e.g. torch.float16) shrinks the file; 'dtype' records the model's own (what
+    it computes in), which --dtype auto loads it back in."""
     state_dict = model.state_dict()
     c = model.config
     if c.family == "gpt" or c.tie_embeddings:
@@ -229,7 +344,8 @@ def save_checkpoint(path, model, tokenizer_spec=None, dtype=None, **extra):
     if dtype is not None:
         state_dict = {k: v.to(dtype) for k, v in state_dict.items()}
     config = {"family": c.family, **dataclasses.asdict(c)}
-    obj = {"model": state_dict, "config": config, **extra}
+    computes_in = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    obj = {"model": state_dict, "config": config, "dtype": computes_in, **extra}
     if tokenizer_spec is not None:
         obj["tokenizer"] = tokenizer_spec
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -73,12 +73,14 @@ def add_model_args(parser):
                         "pytorch_model.bin or their shards, the tokenizer's files)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
                         help="auto picks cuda, then mps, then cpu (default: auto)")
-    parser.add_argument("--dtype", default="float32", choices=list(FLOAT_DTYPES),
-                        help="weights and activations (default: float32)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *FLOAT_DTYPES],
+                        help="weights and activations; auto: the checkpoint's own where this device "
+                        "computes it as fast as float32, else float32 (on a CPU a bfloat16 or float16 "
+                        "checkpoint runs in float32); one line on stderr says which (default: auto)")
     parser.add_argument("--seed", type=seed_int, default=1337,
                         help=f"random seed, 0..{SEED_RANGE[-1]} (default: 1337)")
     parser.add_argument("--quantize", default="none", choices=["none", *SCHEMES],
-                        help="weight-only quantization of every Linear after loading: int8 per "
+                        help="weight-only quantization of every Linear as it is loaded: int8 per "
                         "channel, or int4 per group of --group-size inputs (default: none; see weight_quant.py)")
     parser.add_argument("--group-size", type=int, choices=INT4_GROUP_SIZES, help="input channels "
                         f"sharing a scale with --quantize int4 (default: {INT4_GROUP_SIZE}, or 32 for a model "
@@ -100,6 +102,9 @@ def pick_device(name):
 
 
 def pick_dtype(name, device):
+    """The torch dtype --dtype names, or "auto" for the loader to choose (checkpoint.auto_dtype)."""
+    if name == "auto":
+        return name
     dtype = FLOAT_DTYPES[name]
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError("--dtype bfloat16: this GPU has no bfloat16 support; use --dtype float16")
@@ -115,29 +120,40 @@ def load_from_args(classes, args):
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     torch.manual_seed(args.seed)
-    model, tokenizer = load_source(classes, args.ckpt, args.hf, device, dtype)
+    model, tokenizer = load_source(classes, args.ckpt, args.hf, device, dtype, quantize_args=args)
     return prepare_for_generation(model, args), tokenizer, device
 
 
-def load_source(classes, ckpt=None, hf=None, device="cpu", dtype=torch.float32, report=None):
+def load_source(classes, ckpt=None, hf=None, device="cpu", dtype=torch.float32, report=None,
+                quantize_args=None):
     """A model (classes[family]) from a checkpoint file (None: the default chain) or, when hf
     is given, a Hugging Face directory: (model, tokenizer). The one place a command chooses
     between the two loaders; report(line) receives the line saying what was loaded
-    (default: stderr)."""
+    (default: stderr). quantize_args: the parsed --quantize and --group-size, applied to
+    each Linear as it is loaded."""
     if report is None:
         def report(line):
             print(line, file=sys.stderr)
-    if hf is not None:  # "" is refused by the loader, not taken for "no --hf"
-        return load_hf_model(classes, hf, device=device, dtype=dtype, report=report)
-    return load_model(classes, ckpt, device=device, dtype=dtype, report=report)
+    scheme = quantize_args.quantize if quantize_args is not None else "none"
+    quantize = {} if scheme == "none" else {"quantize": scheme, "group_size": quantize_args.group_size}
+    try:
+        if hf is not None:  # "" is refused by the loader, not taken for "no --hf"
+            return load_hf_model(classes, hf, device=device, dtype=dtype, report=report, **quantize)
+        return load_model(classes, ckpt, device=device, dtype=dtype, report=report, **quantize)
+    except UserError:
+        raise
+    except ValueError as e:  # the scheme does not apply to this model's widths
+        raise quantize_error(e, quantize_args) from None
 
 
 def prepare_for_generation(model, args):
     """What every model a script generates from goes through after loading (the naive twin
     of a comparison too, so that both loops run the same weights the same way): the
-    decode-speed weight layout (base_model.store_linears_column_major), --quantize, then
-    the large Linears left in float32 on the CPU packed for oneDNN (generation/cpu_layout.py:
-    batches, prefills and the serving engine's steps)."""
+    decode-speed weight layout (base_model.store_linears_column_major), --quantize (already
+    done by the loaders: then it finds no Linear left to quantize), then the large Linears
+    left in float32 on the CPU packed for oneDNN (generation/cpu_layout.py: batches,
+    prefills and the serving engine's steps). Each step re-lays one weight at a time, in
+    place of the one it re-lays."""
     return pack_linears(quantize_from_args(store_linears_column_major(model), args))
 
 
@@ -147,10 +163,15 @@ def quantize_from_args(model, args):
         try:
             quantize_model(model, args.quantize, args.group_size)
         except ValueError as e:
-            smaller = args.group_size and args.group_size > INT4_GROUP_SIZES[0]
-            hint = f"--group-size {INT4_GROUP_SIZES[0]} or --quantize int8" if smaller else "--quantize int8"
-            raise UserError(f"--quantize {args.quantize}: {e}; try {hint}") from None
+            raise quantize_error(e, args) from None
     return model
+
+
+def quantize_error(error, args):
+    """The one line for a --quantize the model's widths refuse, with what to try instead."""
+    smaller = args.group_size and args.group_size > INT4_GROUP_SIZES[0]
+    hint = f"--group-size {INT4_GROUP_SIZES[0]} or --quantize int8" if smaller else "--quantize int8"
+    return UserError(f"--quantize {args.quantize}: {error}; try {hint}")
 
 
 # ---------------------------------------------------------------------------- the compiled step's cache
@@ -241,8 +262,8 @@ def load_draft(classes, path, tokenizer, device, args, flag="--draft", report=No
             print(line.replace("loaded ", "loaded draft ", 1), file=sys.stderr)
     source = {"hf": path} if path and Path(path).is_dir() else {"ckpt": path}
     try:
-        draft, draft_tokenizer = load_source(classes, **source, device=device,
-                                             dtype=pick_dtype(args.dtype, device), report=report)
+        draft, draft_tokenizer = load_source(classes, **source, device=device, report=report,
+                                             dtype=pick_dtype(args.dtype, device), quantize_args=args)
         difference = tokenizer_difference(draft_tokenizer, tokenizer)
         if difference:
             raise UserError(f"{path}: its tokenizer ({draft_tokenizer.name}) is not the model's "

@@ -93,7 +93,8 @@ def check_archive_fits(path):
 
 
 def read_checkpoint(path):
-    """torch.load a file as data only; every failure becomes one CheckpointError line."""
+    """torch.load a file as data only, its tensors memory-mapped; every failure becomes one
+    CheckpointError line."""
     path = check_input_file(path)
     try:
         with open(path, "rb") as f:
@@ -102,14 +103,17 @@ def read_checkpoint(path):
         raise CheckpointError(f"{path}: cannot read it ({e.strerror})") from None
     # torch.save writes a zip archive (PK..); older files are a bare pickle (protocol byte
     # 0x80) followed by the raw tensor data, which is most of such a file
-    if magic.startswith(b"PK\x03\x04"):
+    archive = magic.startswith(b"PK\x03\x04")
+    if archive:
         check_archive_fits(path)
     elif magic[:1] == b"\x80":
         check_file_fits(path)
     else:
         raise CheckpointError(f"{path}: not a readable PyTorch checkpoint (not a torch.save file)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        # an archive's tensors are memory-mapped: read from the file when used, never copied
+        # whole into memory first (a bare pickle cannot be: its tensors follow the pickle)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=archive)
     except pickle.UnpicklingError as e:
         # weights_only refuses anything but tensors and plain containers: this is where a
         # pickle that would run code on load ends up, before any of it runs

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from plumbing.checkpoint import build_model, check_tensors, clean_state_dict, describe, split_checkpoint
+from plumbing.checkpoint import (FLOAT_DTYPE_NAMES, build_model, check_tensors, clean_state_dict, describe,
+                                 resolve_dtype, split_checkpoint)
 from plumbing.files import check_file_fits, read_checkpoint, read_json
 from plumbing.hf_bpe import tokenizer_from_files
 from plumbing.hf_llama import LLAMA_MODEL_TYPES, llama_config, llama_tokenizer
@@ -140,19 +141,30 @@ def read_weight_file(file):
         # torch.load(weights_only=True) with one-line errors, as for our own checkpoints
         return split_checkpoint(read_checkpoint(file), file)[0]
     try:
-        from safetensors.torch import load_file  # optional: only this format needs it
+        from safetensors import safe_open  # optional: only this format needs it
     except ImportError:
         raise CheckpointError(f"{file}: reading .safetensors needs the safetensors package "
                               "(pip install safetensors)") from None
     # safetensors checks that every tensor its header declares lies inside the file,
-    # so the file's size bounds what load_file allocates
+    # so the file's size bounds what reading it allocates
     check_file_fits(file)
     try:
-        state_dict = load_file(file)
+        with safe_open(file, "pt") as f:
+            keys = list(f.keys())
+        # one opening per tensor: the tensors of one opening share its memory map, which the
+        # file's pages stay in until the last of them is gone; each on its own, a tensor
+        # converted to another dtype while loading lets go of its pages once converted
+        state_dict = {key: read_one_tensor(safe_open, file, key) for key in keys}
     except Exception as e:  # a truncated or foreign file fails in several ways
         raise CheckpointError(f"{file}: not a readable safetensors file ({type(e).__name__})") from None
     check_tensors(state_dict, file)
     return state_dict
+
+
+def read_one_tensor(safe_open, file, key):
+    """One tensor of a .safetensors file, memory-mapped (read from the file when used)."""
+    with safe_open(file, "pt") as f:
+        return f.get_tensor(key)
 
 
 def to_our_state_dict(hf_state_dict):
@@ -164,10 +176,12 @@ def to_our_state_dict(hf_state_dict):
 
 # ---------------------------------------------------------------------------- loading
 
-def load_hf_model(classes, path, device="cpu", dtype=torch.float32, report=print):
+def load_hf_model(classes, path, device="cpu", dtype=torch.float32, report=print,
+                  quantize=None, group_size=None):
     """Build a model from a Hugging Face directory, with classes[family] (checkpoint.NAIVE_MODELS,
     or kv_cache.CACHED_MODELS): (model, tokenizer). Same contract and the same checks as
-    checkpoint.load_model: fp32 load, then cast; one line to `report`."""
+    checkpoint.load_model (dtype "auto": config.json's torch_dtype, see checkpoint.auto_dtype);
+    one line to `report`."""
     if str(path) == "":
         raise CheckpointError("empty path given for --hf (an unset shell variable?)")
     path = Path(path)
@@ -176,13 +190,23 @@ def load_hf_model(classes, path, device="cpu", dtype=torch.float32, report=print
                               "--hf expects a Hugging Face directory of GPT-2, Llama, Mistral, Qwen2 or "
                               "Qwen3 (config.json + weights + tokenizer files)")
     hf, config = read_config(path)
+    dtype, dtype_line = resolve_dtype(dtype, config_dtype(hf), device)
     if config.family == "llama":  # our names are theirs: nothing to convert
         state_dict, tokenizer = clean_state_dict(read_weights(path)), llama_tokenizer(path, hf)
     else:
         state_dict = to_our_state_dict(read_weights(path))
         # without its own tokenizer files a GPT-2 directory uses GPT-2's: tiktoken's 'gpt2'
         tokenizer = tokenizer_from_files(path) or named_encoding("gpt2", path)
-    model = build_model(classes, config, state_dict, tokenizer, path)
+    model = build_model(classes, config, state_dict, tokenizer, path, device, dtype, quantize, group_size)
     report(f"loaded Hugging Face {hf['model_type']} {path} ({describe(model)}, "
            f"tokenizer {tokenizer.name}, {tokenizer.n_vocab} tokens)")
-    return model.to(device=device, dtype=dtype).eval(), tokenizer
+    if dtype_line:
+        report(dtype_line)
+    return model, tokenizer
+
+
+def config_dtype(hf):
+    """The dtype config.json says the weights are in (transformers 4 writes torch_dtype,
+    5 writes dtype); float32 where it says none this project computes in."""
+    name = hf.get("dtype", hf.get("torch_dtype"))
+    return getattr(torch, name) if name in FLOAT_DTYPE_NAMES else torch.float32

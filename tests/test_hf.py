@@ -361,7 +361,7 @@ def test_error_unsupported_config(tmp_path, hf_dir, change, words):
 
 
 def test_error_without_safetensors(tmp_path, hf_dir, monkeypatch):
-    monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # as if not installed
     assert "pip install safetensors" in one_line_error(hf_dir)
 
 

@@ -302,7 +302,7 @@ def test_flag_errors_are_one_line(tmp_path):
     save_checkpoint(path, tiny_model(TINY_CONFIGS[1]), byte_tokenizer_spec())
     proc = run_cli("--ckpt", str(path), "--quantize", "int4", "--prompt", "a", ckpt=False)
     assert proc.returncode == 2 and "--quantize int4" in proc.stderr and "try --quantize int8" in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 2  # the "loaded" line, then the error
+    assert len(proc.stderr.strip().splitlines()) == 1  # refused before any weight is read
     # a group given that is larger than the smallest: the smallest is suggested too
     proc = run_cli("--ckpt", str(path), "--quantize", "int4", "--group-size", "64", "--prompt", "a", ckpt=False)
     assert proc.returncode == 2 and "try --group-size 32 or --quantize int8" in proc.stderr
