@@ -133,7 +133,7 @@ def parse_args():
 def fp32_checkpoint(args, model):
     """The checkpoint in fp32 and unquantized, whatever --dtype/--quantize loaded: the
     decode-speed table makes each form from it, and exports it for llama.cpp."""
-    if (args.dtype, args.quantize) == ("float32", "none"):
+    if model.lm_head.weight.dtype == torch.float32 and args.quantize == "none":
         return model
     fp32_args = argparse.Namespace(**{**vars(args), "dtype": "float32", "quantize": "none",
                                       "group_size": None})

@@ -390,12 +390,15 @@ def main():
     parser.add_argument("--reps", type=positive_int, help="timed runs after a warm-up (default: 3, quick 1)")
     parser.add_argument("--no-peer", action="store_true", help="ours only")
     args = parser.parse_args()
-    if (args.dtype, args.quantize) != ("float32", "none"):
+    if args.dtype not in ("auto", "float32") or args.quantize != "none":
         parser.error("the peers get the checkpoint's weights as they are: run it in float32, "
                      "unquantized (drop --dtype and --quantize)")
     fill_defaults(args)
     args.reps = args.reps or (1 if args.quick else 3)
     model, tokenizer, _ = load_from_args(CACHED_MODELS, args)
+    if model.lm_head.weight.dtype != torch.float32:
+        parser.error("the peers get the checkpoint's weights as they are: run it in float32 "
+                     "(--dtype float32)")
     print(f"# speculative decoding, {torch.get_num_threads()} threads, median [min-max] of {args.reps} runs")
     planned = plan(args, model, tokenizer)
     print_section(speculative_section(model, planned, args, peers=not args.no_peer))
