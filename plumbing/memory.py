@@ -153,7 +153,16 @@ def weight_bytes(c, weights_dtype):
 
 def peak_rss_bytes():
     """The most resident memory this process has held so far, in bytes (None where the
-    platform does not say: Windows has no resource module)."""
+    platform does not say: Windows has no resource module). On Linux, VmHWM of
+    /proc/self/status: ru_maxrss carries over fork and exec, so a command started by a large
+    process (a test run, a server) would report its parent's peak until it outgrew it."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
+    except (OSError, ValueError, IndexError):
+        pass  # not Linux: the resource module's figure
     try:
         import resource  # POSIX only
     except ImportError:
