@@ -11,7 +11,10 @@ requests at once:
          -d '{"model": "kvcache-gpt", "prompt": "ROMEO:", "max_tokens": 40}'
 
 The engine is in serving/: a paged KV cache with prefix sharing, continuous batching, and
-the step loop; serving/server.py is the HTTP side (aiohttp). Ctrl-C stops it.
+the step loop; serving/server.py is the HTTP side (aiohttp). Ctrl-C or SIGTERM (what docker
+stop, systemd and Kubernetes send) stops it gracefully: every stream in flight ends with an
+error event, then the process exits 130 (Ctrl-C) or ends by SIGTERM (status 143, 128 + 15);
+a second signal ends it at once.
 docs/clients.md shows it used from lm-evaluation-harness, guidellm, the openai package
 and curl.
 """
@@ -20,7 +23,7 @@ import os
 import signal
 import sys
 
-from plumbing.script import UserError, begin, run
+from plumbing.script import Terminated, UserError, begin, run
 
 if __name__ == "__main__":  # run as a command; importing this file changes nothing
     begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
@@ -167,7 +170,7 @@ def main():
         extras = ", API key required" if args.api_key else ""  # never the key itself
         print(f"serving {args.served_model_name} on {url} (Ctrl-C stops{extras})",
               file=sys.stderr, flush=True)
-        run_until_ctrl_c(engine)  # ... and the engine on this one, which loaded the model
+        run_until_stopped(engine)  # ... and the engine on this one, which loaded the model
     finally:
         # the engine has stopped: end what is in flight (each client gets an error), or
         # the server would wait for replies that no step will ever make
@@ -175,20 +178,36 @@ def main():
         server.close()
 
 
-def run_until_ctrl_c(engine):
-    """engine.run() until Ctrl-C, which stops it after its current step and then raises
-    KeyboardInterrupt here. Python's own handler raises it wherever the main thread is, and
-    inside a torch.compile build (a recompile can start mid-serve) it was lost: the server
-    went on serving, deaf to Ctrl-C. A second Ctrl-C raises at once."""
+def run_until_stopped(engine):
+    """engine.run() until Ctrl-C (SIGINT) or SIGTERM, either of which stops it after its
+    current step; then raises KeyboardInterrupt (plumbing.script.run exits 130) or
+    Terminated (run() ends the process by SIGTERM, status 143, once main's cleanup has ended
+    every stream: systemd counts death by SIGTERM a clean stop, exit 143 a failure).
+    Python's own SIGINT handler raises wherever the main thread is, and inside a
+    torch.compile build (a recompile can start mid-serve) it was lost: the server went on
+    serving, deaf to Ctrl-C; SIGTERM's default kills at once, cutting every stream without
+    an error event. A second signal of either kind ends the process at once."""
+    received = []
+
     def stop(signum, frame):
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        received.append(signum)
+        restore_default_handlers()  # the second signal is not caught
         engine.stop()
-    signal.signal(signal.SIGINT, stop)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
     try:
         engine.run()
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    raise KeyboardInterrupt  # run() returns only when stopped
+        restore_default_handlers()
+    # run() returns only when stopped
+    if received[0] == signal.SIGTERM:
+        raise Terminated(signal.SIGTERM)
+    raise KeyboardInterrupt
+
+
+def restore_default_handlers():
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # raises KeyboardInterrupt
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # ends the process
 
 
 def load_chat_template(args, tokenizer):

@@ -15,6 +15,7 @@ next piece may complete the match.
 """
 
 import codecs
+import functools
 
 
 def eos_token_ids(tokenizer):
@@ -71,9 +72,11 @@ class SampleText:
 
 # ---------------------------------------------------------------------------- stop strings
 
+@functools.lru_cache(maxsize=16)
 def longest_borders(stop):
     """border[i]: the length of the longest proper prefix of stop[:i + 1] that is also a
-    suffix of it, where a partial match can carry on after a mismatch. O(len(stop))."""
+    suffix of it, where a partial match can carry on after a mismatch. O(len(stop)), once
+    per string: a request's n samples (and generate.py's rows) share one table, not n."""
     border = [0] * len(stop)
     k = 0
     for i in range(1, len(stop)):
@@ -82,7 +85,7 @@ def longest_borders(stop):
         if stop[i] == stop[k]:
             k += 1
         border[i] = k
-    return border
+    return tuple(border)  # shared by every sample: read-only
 
 
 class StopString:

@@ -67,7 +67,7 @@ def parse_completion(body, tokenizer, context, model_name, limits, policy="error
     if max_tokens == 0 and not echo:
         raise BadRequest("'max_tokens' must be >= 1 (0 only with echo, to score the prompt)",
                          "max_tokens", "invalid_value")
-    fields, n, seed, stream, include_usage = sampling_fields(body, tokenizer)
+    fields, n, seed, stream, include_usage = sampling_fields(body, tokenizer, context)
     check_size(limits, len(prompts), n, max_tokens)
     prompts = prompt_ids(prompts, tokenizer, context, limits)
     for p in prompts:
@@ -84,7 +84,7 @@ def parse_chat(body, tokenizer, context, model_name, template, limits, policy="e
     treats a model's end-of-sequence ids)."""
     check_model(body, model_name)
     refuse_unsupported(body, CHAT_UNSUPPORTED)
-    fields, n, seed, stream, include_usage = sampling_fields(body, tokenizer)
+    fields, n, seed, stream, include_usage = sampling_fields(body, tokenizer, context)
     limits.check_sequences(1, n)  # before the template renders and the text is encoded
     prompt = chat_prompt(body, template, tokenizer, context)
     limits.check_prompt_tokens(len(prompt))
@@ -181,7 +181,14 @@ def flag(body, name):
     return value
 
 
-def stop_strings(body):
+def stop_strings(body, tokenizer, context):
+    """At most MAX_STOPS strings, of at most context x longest_token_bytes characters in
+    all: a stop string matches text the sample writes, and a context's worth of tokens is
+    at most that many characters (a character is at least one byte), so a longer one could
+    never match within a context (past it, with --context-policy reprefill, only text whose
+    start the model no longer sees). Every sample builds a matching table for each string
+    before its first token, on the server's time: without the bound four strings of 250,000
+    characters and n 64 held up every other client for seconds."""
     stop = body.get("stop")
     if stop is None:
         return ()
@@ -190,6 +197,12 @@ def stop_strings(body):
         raise BadRequest("'stop' must be a non-empty string or a list of them", "stop", "invalid_type")
     if len(stop) > MAX_STOPS:
         raise BadRequest(f"'stop' takes at most {MAX_STOPS} strings, got {len(stop)}", "stop", "invalid_value")
+    longest = longest_token_bytes(tokenizer)
+    total = sum(map(len, stop))
+    if longest is not None and total > context * longest:
+        raise BadRequest(f"'stop' strings have {total:,} characters in all; at most "
+                         f"{context * longest:,} (the most text a context of {context} tokens can "
+                         "hold) can ever match", "stop", "invalid_value")
     return tuple(stop)
 
 
@@ -214,8 +227,8 @@ def stop_token_ids(body, tokenizer):
 def check_model(body, model_name):
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    model = body.get("model", model_name)
-    if model != model_name:
+    model = body.get("model")
+    if model is not None and model != model_name:  # null or absent: the one served, as vLLM
         raise BadRequest(f"The model {shown(model)} does not exist; this server serves '{model_name}'",
                          "model", "model_not_found")
 
@@ -226,7 +239,7 @@ def refuse_unsupported(body, unsupported):
             raise BadRequest(f"'{name}' is not supported by this server", name, "unsupported_parameter")
 
 
-def sampling_fields(body, tokenizer):
+def sampling_fields(body, tokenizer, context):
     """(SamplingParams fields every endpoint shares, n, seed, stream, include_usage)."""
     top_k = number(body, "top_k", None, -1, 10**9, integer=True)
     if top_k == 0:
@@ -236,7 +249,7 @@ def sampling_fields(body, tokenizer):
     fields = dict(temperature=number(body, "temperature", 1.0, 0, 2),
                   top_k=None if top_k in (None, -1) else top_k,
                   top_p=None if top_p == 1 else top_p,
-                  stop=stop_strings(body), stop_token_ids=stop_token_ids(body, tokenizer),
+                  stop=stop_strings(body, tokenizer, context), stop_token_ids=stop_token_ids(body, tokenizer),
                   stop_at_eot=not flag(body, "ignore_eos"))
     n = number(body, "n", 1, 1, MAX_N, integer=True)
     options = body.get("stream_options")
