@@ -114,7 +114,9 @@ def read_weights(path):
 
 def read_shards(path, index_file):
     """Every shard an index names, merged: {"weight_map": {tensor name: shard file}}. A
-    shard must be a file of this directory (an index is data: it may not point elsewhere)."""
+    shard must be a file of this directory (an index is data: it may not point elsewhere),
+    and a tensor must be in one shard only, the one the index names for it: two copies
+    would load from whichever is read last, silently."""
     index = read_json(index_file)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
@@ -124,11 +126,19 @@ def read_shards(path, index_file):
                 or "\\" in s), None)
     if bad is not None or not shards:
         raise CheckpointError(f"{index_file}: shard {short_repr(bad)} is not a file name of this directory")
-    state_dict = {}
+    state_dict, shard_of = {}, {}
     for shard in shards:
         if not (path / shard).is_file():
             raise CheckpointError(f"{index_file}: names shard {shard}, which is not in {path}")
-        state_dict.update(read_weight_file(path / shard))
+        for key, tensor in read_weight_file(path / shard).items():
+            if key in shard_of:
+                raise CheckpointError(f"{path}: {short_repr(key)} is in two shards, {shard_of[key]} "
+                                      f"and {shard}; which one is meant?")
+            named = weight_map.get(key, shard)  # (a tensor the index does not list is taken as it is)
+            if named != shard:
+                raise CheckpointError(f"{index_file}: names {short_repr(named)} for {short_repr(key)}, "
+                                      f"but {shard} holds it")
+            state_dict[key], shard_of[key] = tensor, shard
     missing = next((k for k in weight_map if k not in state_dict), None)
     if missing is not None:
         raise CheckpointError(f"{index_file}: names {missing!r}, which is in none of its shards")

@@ -37,12 +37,22 @@ def rope_settings(hf):
     return hf.get("rope_theta", 10000.0), hf.get("rope_scaling")
 
 
-def context_len(hf):
-    """max_position_embeddings, cut to the sliding window when the model uses one."""
+def context_len(hf, file):
+    """max_position_embeddings, cut to the sliding window when the model uses one (null:
+    none). Every layer then sees the window at most, so which layers slide (Qwen2's
+    max_window_layers) changes nothing; it is checked all the same."""
     context = hf.get("max_position_embeddings")
     uses_window = hf["model_type"] == "mistral" or hf.get("use_sliding_window") is True
-    window = hf.get("sliding_window") if uses_window else None
-    if type(window) is int and window >= 1 and type(context) is int and context > window:
+    if not uses_window:
+        return context
+    window, layers = hf.get("sliding_window"), hf.get("max_window_layers")
+    if window is not None and (type(window) is not int or window < 1):
+        raise CheckpointError(f"{file}: sliding_window must be a positive integer or null (no "
+                              f"window), got {short_repr(window)}")
+    if layers is not None and (type(layers) is not int or layers < 0):
+        raise CheckpointError(f"{file}: max_window_layers must be an integer >= 0 or null, "
+                              f"got {short_repr(layers)}")
+    if window is not None and type(context) is int and context > window:
         return window
     return context
 
@@ -66,7 +76,7 @@ def llama_config(hf, file):
     if isinstance(scaling, dict):
         scaling.pop("partial_rotary_factor", None)
     fields = {ours: hf[theirs] for ours, theirs in HF_NAMES.items() if theirs in hf}
-    fields.update(family="llama", context_len=context_len(hf), rope_theta=theta, rope_scaling=scaling,
+    fields.update(family="llama", context_len=context_len(hf, file), rope_theta=theta, rope_scaling=scaling,
                   tie_embeddings=hf.get("tie_word_embeddings", False),
                   norm_eps=hf.get("rms_norm_eps", 1e-6), **LLAMA_MODEL_TYPES[hf["model_type"]])
     fields.setdefault("n_kv_head", fields.get("n_head"))  # no num_key_value_heads: one per query head

@@ -150,6 +150,8 @@ def read_tokenizer(path, special_ids, tokenizer_config):
     except Exception as e:  # the library's own parse errors, one line of them
         raise CheckpointError(f"{file}: not a tokenizer the tokenizers library reads "
                               f"({str(e).splitlines()[0][:100] if str(e) else type(e).__name__})") from None
+    if not tokenizer.get_vocab(with_added_tokens=False):  # the library's encode then raises
+        raise CheckpointError(f"{file}: the vocabulary (model.vocab) is empty: no text can be encoded")
     decoder = json.loads(tokenizer.to_str()).get("decoder")
     table = token_bytes_table(tokenizer, decoder, file)
 
@@ -173,7 +175,7 @@ def read_tokenizer(path, special_ids, tokenizer_config):
         if not 0 <= i < len(table):
             raise CheckpointError(f"{path}: special token id {i} is outside the tokenizer's "
                                   f"{len(table)} tokens")
-    adds_bos = tokenizer_config.get("add_bos_token", adds_leading_token(tokenizer, bos))
+    adds_bos = tokenizer_config.get("add_bos_token", adds_leading_token(tokenizer, bos, file))
     if type(adds_bos) is not bool:
         raise CheckpointError(f"{path}: tokenizer_config.json's add_bos_token must be true or false")
     if adds_bos and bos is None:
@@ -189,8 +191,13 @@ def read_tokenizer(path, special_ids, tokenizer_config):
     return encoding
 
 
-def adds_leading_token(tokenizer, bos):
+def adds_leading_token(tokenizer, bos, source):
     """Whether tokenizer.json's post-processor puts `bos` before every text (Llama 3's
     template does; tokenizer_config.json's add_bos_token, when there is one, decides)."""
-    with_specials = tokenizer.encode("a", add_special_tokens=True).ids
-    return bos is not None and with_specials[:1] == [bos] != tokenizer.encode("a", add_special_tokens=False).ids[:1]
+    try:
+        with_specials = tokenizer.encode("a", add_special_tokens=True).ids
+        without = tokenizer.encode("a", add_special_tokens=False).ids
+    except Exception as e:  # the library's own errors (an unk_token not in the vocabulary)
+        raise CheckpointError(f"{source}: the tokenizer cannot encode text "
+                              f"({str(e).splitlines()[0][:100] if str(e) else type(e).__name__})") from None
+    return bos is not None and with_specials[:1] == [bos] != without[:1]

@@ -138,3 +138,99 @@ def test_the_samples_of_a_request_share_one_matching_table_per_stop_string():
     for token in b"abab":
         a.add(token)
     assert a.ready() == 0 and b.ready() == 0  # the matches are each sample's own
+
+
+# ---------------------------------------------------------------------------- loading
+
+def write_shards(path, shards, weight_map):
+    """shards: {file name: {tensor name: tensor}}, and an index naming weight_map."""
+    from safetensors.torch import save_file
+    for name, tensors in shards.items():
+        save_file(tensors, str(path / name))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def test_a_tensor_in_two_shards_or_in_another_than_the_index_names_is_refused(tmp_path):
+    pytest.importorskip("safetensors")
+    import torch
+    from plumbing.hf import read_weights
+    from plumbing.script import CheckpointError
+    a, b, c = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
+    cases = {  # name: (shards, weight_map, what the one line says); the index names both shards
+        "two copies": ({"one.safetensors": {"x": a, "y": c}, "two.safetensors": {"x": b, "z": c}},
+                       {"x": "one.safetensors", "y": "one.safetensors", "z": "two.safetensors"},
+                       "'x' is in two shards, one.safetensors and two.safetensors"),
+        "moved": ({"one.safetensors": {"y": a}, "two.safetensors": {"x": b, "z": c}},
+                  {"x": "one.safetensors", "y": "one.safetensors", "z": "two.safetensors"},
+                  "names 'one.safetensors' for 'x', but two.safetensors holds it"),
+    }
+    for name, (shards, weight_map, message) in cases.items():
+        path = tmp_path / name.replace(" ", "-")
+        path.mkdir()
+        write_shards(path, shards, weight_map)
+        with pytest.raises(CheckpointError, match=message) as e:
+            read_weights(path)
+        assert "\n" not in str(e.value)
+    path = tmp_path / "right"
+    path.mkdir()
+    write_shards(path, {"one.safetensors": {"y": a}, "two.safetensors": {"x": b}},
+                 {"x": "two.safetensors", "y": "one.safetensors"})
+    state_dict = read_weights(path)
+    assert state_dict.keys() == {"x", "y"} and torch.equal(state_dict["x"], b)
+
+
+MISTRAL = {"model_type": "mistral", "max_position_embeddings": 4096, "vocab_size": 300,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+           "hidden_size": 64, "intermediate_size": 96, "sliding_window": 256}
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"sliding_window": -5}, "sliding_window must be a positive integer or null"),
+    ({"sliding_window": 0}, "sliding_window must be a positive integer or null"),
+    ({"sliding_window": 256.0}, "sliding_window must be a positive integer or null"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": -1},
+     "max_window_layers must be an integer >= 0 or null"),
+    ({"rope_theta": 0}, "rope_theta must be a finite number above 1"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps must be a number in \\(0, 1\\)"),
+    ({"num_key_value_heads": 3}, "is not a multiple of num_key_value_heads"),
+])
+def test_config_values_that_cannot_mean_anything_are_refused_naming_the_field(tmp_path, changes, message):
+    from plumbing.hf_llama import llama_config
+    from plumbing.script import CheckpointError
+    with pytest.raises(CheckpointError, match=message):
+        llama_config({**MISTRAL, **changes}, tmp_path / "config.json")
+
+
+def test_the_sliding_window_cuts_the_context_and_null_means_none(tmp_path):
+    from plumbing.hf_llama import llama_config
+    file = tmp_path / "config.json"
+    assert llama_config(MISTRAL, file).context_len == 256
+    assert llama_config({**MISTRAL, "sliding_window": None}, file).context_len == 4096
+    # an unused window is not read: Qwen2's configs carry one with use_sliding_window false
+    assert llama_config({**MISTRAL, "model_type": "qwen2", "sliding_window": -5}, file).context_len == 4096
+
+
+def test_a_tokenizer_json_with_an_empty_vocabulary_is_one_line(tmp_path):
+    pytest.importorskip("tokenizers")
+    from hf_llama_dirs import sentencepiece_tokenizer
+    from plumbing.hf_tokenizer import read_tokenizer
+    from plumbing.script import CheckpointError
+    sentencepiece_tokenizer().save_pretrained(tmp_path)
+    tokenizer = json.loads((tmp_path / "tokenizer.json").read_text())
+    tokenizer["model"].update(vocab={}, merges=[])
+    for added in (tokenizer["added_tokens"], []):  # the special tokens alone, or nothing at all
+        (tmp_path / "tokenizer.json").write_text(json.dumps({**tokenizer, "added_tokens": added}))
+        with pytest.raises(CheckpointError, match="the vocabulary \\(model.vocab\\) is empty") as e:
+            read_tokenizer(tmp_path, (None, []), {})
+        assert "\n" not in str(e.value)
+
+
+def test_a_broken_directory_is_one_line_and_exit_2_from_the_command(tmp_path):
+    from conftest import run_script
+    from hf_llama_dirs import make_hf_llama_dir
+    make_hf_llama_dir(tmp_path, "mistral-mqa-window")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "sliding_window": -5}))
+    result = run_script("generate.py", "--hf", tmp_path, "--device", "cpu", "--max-new-tokens", "1")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "sliding_window must be a positive integer or null" in result.stderr
