@@ -41,8 +41,9 @@ def short_repr(value):
 
 class Terminated(BaseException):
     """A signal that ends the process (SIGTERM, SIGHUP) arrived while an output was being
-    written (plumbing/outputs.py raises it then, so that the half-written file is removed);
-    run() then ends the process by that signal. A BaseException, as KeyboardInterrupt is:
+    written (plumbing/outputs.py raises it then, so that the half-written file is removed),
+    or while serve.py was serving (its streams are ended first); run() then ends the
+    process by that signal. A BaseException, as KeyboardInterrupt is:
     no `except Exception` may swallow it."""
 
     def __init__(self, signum):

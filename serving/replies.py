@@ -114,9 +114,10 @@ class Reply:
         while len(self.finished) < len(self.choices):
             try:
                 i, output = await self.next()
-            except EngineFailed as e:  # headers are sent: the error goes in the stream
+            except EngineFailed as e:  # headers are sent: the error goes in the stream, then
+                # [DONE], so that a client reading to the end sees a finished stream (vLLM's way)
                 await send([*events, {"error": {"message": str(e), "type": "server_error",
-                                                "param": None, "code": None}}])
+                                                "param": None, "code": None}}], done=True)
                 break
             choice = self.chunk_choice(i, output)
             if choice is not None:

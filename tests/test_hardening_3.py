@@ -1,7 +1,7 @@
 """Hostile inputs that were silently wrong or slow, each now one clear line or answer:
 
   - SIGTERM (what docker stop, systemd and Kubernetes send) stops serve.py as Ctrl-C does:
-    every stream ends with an error event, then the process ends by SIGTERM; a second
+    every stream ends with an error event and [DONE], then the process ends by SIGTERM; a second
     signal ends it at once;
   - "model": null is the model served (as vLLM), on every endpoint;
   - stop strings longer in all than a context can hold are a 400 naming 'stop', and their
@@ -53,7 +53,8 @@ def test_sigterm_ends_every_stream_with_an_error_then_the_process_by_sigterm(tin
         sent = time.monotonic()
         rest = response.read()  # to the stream's last chunk: a cut stream raises IncompleteRead
         events = [line.removeprefix(b"data: ") for line in rest.splitlines() if line]
-        error = json.loads(events[-1])["error"]
+        assert events[-1] == b"[DONE]"  # the final chunk, after the error
+        error = json.loads(events[-2])["error"]
         assert "shutting down" in error["message"] and error["type"] == "server_error"
         # death by SIGTERM, as the shell reports it: status 143 (128 + 15)
         assert process.wait(timeout=10) == -signal.SIGTERM
