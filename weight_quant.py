@@ -68,17 +68,29 @@ INT4_GROUP_SIZE = 64  # the default where it divides every width (int4_group_siz
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU int4 kernel accepts
 KERNEL_DTYPE = torch.bfloat16  # the activation dtype the CPU kernels are fast with
 MIN_SCALE = 1e-12  # an all-equal row or group would have scale 0: keep the division defined
+CHUNK_ROWS = 1024  # rows quantized at a time (row_chunks)
 
 
 # ---------------------------------------------------------------------------- the schemes
 
+def row_chunks(weight):
+    """Slices of CHUNK_ROWS rows of weight (out, in). Both schemes quantize row by row, so a
+    chunk at a time gives the same numbers as the whole matrix at once, with float
+    temporaries (the fp32 copy, |W|, the quotient) the size of one chunk: a 128256 x 2048
+    output layer would need ~1 GB for each."""
+    return [slice(start, start + CHUNK_ROWS) for start in range(0, weight.shape[0], CHUNK_ROWS)]
+
+
 def quantize_int8(weight):
     """(q, scale): q (out, in) int8 in [-127, 127], scale (out,) fp32; W ~ q * scale[:, None]
     with |W - q * scale| <= scale / 2 for every weight."""
-    w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=MIN_SCALE)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q.contiguous(), scale
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(weight.shape[0], device=weight.device)
+    for rows in row_chunks(weight):
+        w = weight[rows].float()
+        scale[rows] = (w.abs().amax(dim=1) / 127).clamp(min=MIN_SCALE)
+        q[rows] = torch.round(w / scale[rows, None]).clamp(-127, 127)  # whole numbers: exact in int8
+    return q, scale
 
 
 def dequantize_int8(q, scale):
@@ -89,12 +101,16 @@ def quantize_int4(weight, group_size):
     """(q, scale, zero): q (out, in) uint8 in [0, 15], scale and zero (out, in / group_size)
     fp32; in each group W ~ (q - 8) * scale + zero, within scale / 2."""
     out_features, in_features = weight.shape
-    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
-    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)  # (out, groups)
-    scale = ((hi - lo) / 15).clamp(min=MIN_SCALE)
-    q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15)
-    zero = lo + 8 * scale
-    return q.to(torch.uint8).reshape(out_features, in_features), scale, zero
+    q = torch.empty(weight.shape, dtype=torch.uint8, device=weight.device)
+    scale = torch.empty(out_features, in_features // group_size, device=weight.device)
+    zero = torch.empty_like(scale)
+    for rows in row_chunks(weight):
+        groups = weight[rows].float().reshape(-1, in_features // group_size, group_size)  # (rows, groups, G)
+        lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)  # (rows, groups)
+        scale[rows] = ((hi - lo) / 15).clamp(min=MIN_SCALE)
+        q[rows] = torch.round((groups - lo[..., None]) / scale[rows, :, None]).clamp(0, 15).flatten(1)
+        zero[rows] = lo + 8 * scale[rows]
+    return q, scale, zero
 
 
 def dequantize_int4(q, scale, zero, group_size):
@@ -199,7 +215,9 @@ class Int4Linear(QuantizedLinear):
             pad = -self.out_features % 16  # padded rows are computed and sliced off
             q = F.pad(q, (0, 0, 0, pad))
             scale_and_zero = F.pad(scale_and_zero, (0, 0, 0, pad))
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+            # the kernel packs each row on its own and takes int32 (4 bytes a weight): a chunk at a time
+            packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[rows].to(torch.int32), 2)
+                                for rows in row_chunks(q)])
         else:
             packed = q[:, 0::2] | (q[:, 1::2] << 4)  # (out, in / 2): weights 2i and 2i+1 share a byte
         self.register_buffer("weight_int4", packed, persistent=False)

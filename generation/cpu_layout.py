@@ -38,15 +38,20 @@ model. Whole runs chose the line: the bundled model decodes faster with its 256-
 Linears left to MKL (eager, 198 against 170 tokens/s), and GPT-2 small's batch of 16 faster
 with its 768 -> 768 projections packed (7.4-7.6x batch 1 against 6.8-6.9x).
 
-PackedLinear is an nn.Linear (same weight and bias Parameters, so the state dict, a tied
-lm_head and every isinstance check are unchanged) that keeps the packed copy beside its
-weight. The copy is made at the first call and made again if the weight has changed since
-(load_state_dict writes into it in place; .to() replaces it), so loading and quantizing
-afterwards work as on any Linear. It is used only where it applies (float32 on the CPU, no
-gradient wanted, outside a compiled graph: packed_copy_applies); anywhere else the layer is
-F.linear. The cost is memory: a second copy of every packed weight (GPT-2 small: 0.5 GB
-more in fp32).
+PackedLinear is an nn.Linear (same weight and bias Parameters, so the state dict and every
+isinstance check are unchanged) whose weight, once packed, lives only in the packed copy:
+the Parameter keeps its shape and dtype on the meta device, which holds no memory (a 1B
+model in fp32 would otherwise keep 4.9 GB twice). The packing happens at the first call
+that can use it (float32 on the CPU, no gradient wanted, outside a compiled graph:
+packed_copy_applies); the dense weight comes back, exactly (oneDNN's to_dense, in the
+memory layout it had), wherever it is needed: the state dict, load_state_dict, .to(),
+copying, a call the packed copy cannot serve (training, another dtype), and unpack_linears
+before a graph is compiled or exported from the model. A weight written in place after
+packing is not seen (the meta Parameter holds nothing): write it through load_state_dict.
+A weight tied to an embedding (GPT-2's lm_head) is not packed: the lookup needs it dense.
 """
+
+import collections
 
 import torch
 import torch.nn as nn
@@ -57,21 +62,22 @@ PACK_MIN_WEIGHTS = 2**19  # smaller weights multiply faster through MKL (see abo
 
 
 class PackedLinear(nn.Linear):
-    """nn.Linear multiplying through a copy of its weight in oneDNN's blocked layout."""
+    """nn.Linear multiplying through its weight in oneDNN's blocked layout, the only copy."""
 
     def __init__(self, linear):
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate a new weight
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameters
         self.register_parameter("bias", linear.bias)  # None too, as nn.Linear registers it
-        self.packed, self.packed_from = None, None
+        self.packed, self.dense_stride = None, None
 
     def forward(self, x):
         if not self.packed_copy_applies(x):
+            if self.packed is not None and not torch.compiler.is_compiling():
+                self.unpack()  # training, another dtype: the plain weight is what multiplies
             return F.linear(x, self.weight, self.bias)
-        if self.packed_from != weight_identity(self.weight):  # first call, or the weight was rewritten
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), BATCH_HINT)
-            self.packed_from = weight_identity(self.weight)
+        if self.packed is None or not self.weight.is_meta:  # first call, or .data was replaced
+            self.pack()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def packed_copy_applies(self, x):
@@ -81,27 +87,70 @@ class PackedLinear(nn.Linear):
         return (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
                 and not (torch.is_grad_enabled() and self.weight.requires_grad))
 
+    def pack(self):
+        """The weight's values into oneDNN's layout; the Parameter keeps only its shape."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), BATCH_HINT)
+        self.dense_stride = self.weight.stride()  # row- or column-major (store_linears_column_major)
+        self.weight = as_parameter(torch.empty_like(self.weight, device="meta"), self.weight)
+
+    def dense_weight(self):
+        """The packed values as the dense weight they came from, in its memory layout."""
+        dense = torch.empty_strided(self.weight.shape, self.dense_stride, dtype=self.weight.dtype)
+        return dense.copy_(self.packed.to_dense())  # to_dense: (out, in) row-major
+
+    def unpack(self):
+        """The Parameter holds the weight again, and the packed copy is dropped."""
+        if self.packed is not None and self.weight.is_meta:
+            self.weight = as_parameter(self.dense_weight(), self.weight)
+        self.packed = None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.packed is not None and self.weight.is_meta:
+            destination[prefix + "weight"] = self.dense_weight()
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.unpack()  # nn.Module copies into the Parameter; the next call packs it again
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _apply(self, fn, *args, **kwargs):
+        self.unpack()  # .to(), .half(), ...: they convert the dense weight
+        return super()._apply(fn, *args, **kwargs)
+
     def __getstate__(self):
-        # copy.deepcopy, pickling: oneDNN's tensor cannot be copied; the copy repacks at its first call
-        return {**super().__getstate__(), "packed": None, "packed_from": None}
+        # copy.deepcopy, pickling: oneDNN's tensor cannot be copied; the copy gets the dense weight
+        state = super().__getstate__()
+        if self.packed is not None and self.weight.is_meta:
+            state["_parameters"] = {**state["_parameters"], "weight": as_parameter(self.dense_weight(), self.weight)}
+        return {**state, "packed": None, "dense_stride": None}
 
 
-def weight_identity(weight):
-    """What changes when a weight's values may have: its memory (.data replaced, .to()) and
-    its version counter (written in place). A tensor made under inference_mode has no
-    counter; such a weight is packed once."""
-    return weight.data_ptr(), (None if weight.is_inference() else weight._version)
+def as_parameter(values, like):
+    """A new Parameter of these values, wanting gradients as `like` does (a tensor's device
+    cannot be changed under an existing Parameter)."""
+    return nn.Parameter(values, requires_grad=like.requires_grad)
 
 
 def pack_linears(model, min_weights=PACK_MIN_WEIGHTS):
     """Make every float32 nn.Linear of a CPU model with at least min_weights weights a
     PackedLinear, in place; returns the model. Anything else (smaller, another device or
-    dtype, quantized layers, a torch without oneDNN) is left as it is."""
+    dtype, a weight tied to another module, quantized layers, a torch without oneDNN) is
+    left as it is."""
     if not torch.backends.mkldnn.is_available():
         return model
+    holders = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (type(child) is nn.Linear and child.weight.device.type == "cpu"
+            if (type(child) is nn.Linear and child.weight.device.type == "cpu" and holders[id(child.weight)] == 1
                     and child.weight.dtype == torch.float32 and child.weight.numel() >= min_weights):
                 setattr(parent, name, PackedLinear(child))
+    return model
+
+
+def unpack_linears(model):
+    """Every PackedLinear of model holds its dense weight again (before torch.export or
+    torch.compile reads the Parameters); the next eager call packs it again. Returns the model."""
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.unpack()
     return model

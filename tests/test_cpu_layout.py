@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import TINY_CONFIGS, tiny_model
-from generation.cpu_layout import PackedLinear, pack_linears
+from generation.cpu_layout import PackedLinear, pack_linears, unpack_linears
 from weight_quant import Int8Linear, quantize_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
@@ -39,15 +39,34 @@ def test_packed_linear_computes_what_nn_linear_does(rows, bias):
     assert packed.packed is not None  # the oneDNN path ran, not the fallback
 
 
-def test_a_model_packs_every_float32_linear_and_keeps_its_state_dict_and_tie():
+def test_a_model_packs_every_untied_float32_linear_and_keeps_its_state_dict_and_tie():
     model = tiny_model(TINY_CONFIGS[0])
     before = {k: v.clone() for k, v in model.state_dict().items()}
     pack_linears(model, min_weights=0)
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    model(torch.tensor([[1, 2, 3]]))  # packs them
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not model.lm_head]
     assert linears and all(type(m) is PackedLinear for m in linears)
+    assert type(model.lm_head) is nn.Linear  # tied: the embedding's lookup needs the dense weight
     assert model.lm_head.weight is model.transformer.wte.weight  # still tied
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+@torch.no_grad()
+def test_the_packed_copy_replaces_the_weight_and_gives_it_back_exactly():
+    lin = linear(96, 48)
+    lin.weight.data = lin.weight.data.t().contiguous().t()  # column-major, as the generation layout
+    expected = lin.weight.detach().clone()
+    packed = PackedLinear(copy.deepcopy(lin))
+    packed(torch.randn(4, 48))
+    assert packed.weight.is_meta and packed.weight.shape == (96, 48)  # no second copy
+    assert torch.equal(packed.state_dict()["weight"], expected)
+    clone = copy.deepcopy(packed)
+    unpack_linears(clone)
+    assert torch.equal(clone.weight, expected) and clone.weight.stride() == expected.stride()
+    assert clone.packed is None
+    unpack_linears(packed)
+    assert torch.equal(packed.weight, expected) and packed.weight.stride() == expected.stride()
 
 
 def test_only_weights_big_enough_to_gain_are_packed():
@@ -69,17 +88,18 @@ def test_greedy_tokens_and_logits_as_before_packing():
 
 
 @torch.no_grad()
-def test_a_weight_changed_after_packing_is_packed_again():
+def test_a_weight_loaded_or_converted_after_packing_is_packed_again():
     lin = linear(32, 16)
-    packed = PackedLinear(lin)
+    packed = PackedLinear(copy.deepcopy(lin))
     x = torch.randn(4, 16)
     packed(x)  # packs the weight as it is now
-    lin.weight.mul_(2)  # in place: the Parameter is shared
-    torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
     packed.load_state_dict({"weight": torch.zeros(32, 16), "bias": torch.ones(32)})
     torch.testing.assert_close(packed(x), torch.ones(4, 32))
-    lin.weight.data = torch.randn(32, 16)  # a new tensor, as .to() makes
+    packed.load_state_dict(lin.state_dict())
     torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+    packed.to(torch.float64).to(torch.float32)  # .to() converts the dense weight
+    torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+    assert packed.weight.is_meta  # packed again
 
 
 def test_deepcopy_of_a_packed_model():
