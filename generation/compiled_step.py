@@ -50,6 +50,7 @@ import warnings
 import torch
 
 from generation import step_cache
+from generation.cpu_layout import unpack_linears
 from kv_quant import dtype_name
 from sample import sample_with_noise
 
@@ -260,6 +261,7 @@ def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None
     cache.kv[..., cache.length:, :].zero_()
     generator = sampling and sampling["generator"]
     settings = sampling and {k: sampling[k] for k in ("temperature", "top_k", "top_p")}
+    unpack_linears(model)  # the graph reads the dense weights; inductor lays them out itself
     # the library holds the weights as they were: a weight written in place since (its
     # version counter moved) or replaced (another tensor) means a new build
     weights = tuple((t.data_ptr(), t._version) for t in itertools.chain(model.parameters(), model.buffers()))

@@ -48,7 +48,12 @@ memory layout it had), wherever it is needed: the state dict, load_state_dict, .
 copying, a call the packed copy cannot serve (training, another dtype), and unpack_linears
 before a graph is compiled or exported from the model. A weight written in place after
 packing is not seen (the meta Parameter holds nothing): write it through load_state_dict.
-A weight tied to an embedding (GPT-2's lm_head) is not packed: the lookup needs it dense.
+A weight tied to an embedding (GPT-2's lm_head) is packed beside its dense table, which
+the lookup needs: that one matrix is held twice, because unpacked it made GPT-2 small's
+batch of 16 6.5x batch 1 instead of 9.3x (python -m benchmarks.batching --shape gpt2
+--sizes 1,16, 2026-12-03). A model whose decode step is compiled stops packing
+(unpack_linears): inductor lays out the weights it compiles itself, and the graph reads
+the Parameters.
 """
 
 import collections
@@ -64,19 +69,22 @@ PACK_MIN_WEIGHTS = 2**19  # smaller weights multiply faster through MKL (see abo
 class PackedLinear(nn.Linear):
     """nn.Linear multiplying through its weight in oneDNN's blocked layout, the only copy."""
 
-    def __init__(self, linear):
+    def __init__(self, linear, keep_dense=False):
+        """keep_dense: the weight stays beside its packed copy (a weight another module
+        holds too: an embedding tied to the head)."""
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate a new weight
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameters
         self.register_parameter("bias", linear.bias)  # None too, as nn.Linear registers it
         self.packed, self.dense_stride = None, None
+        self.keep_dense, self.packing = keep_dense, True
 
     def forward(self, x):
-        if not self.packed_copy_applies(x):
+        if not (self.packing and self.packed_copy_applies(x)):
             if self.packed is not None and not torch.compiler.is_compiling():
                 self.unpack()  # training, another dtype: the plain weight is what multiplies
             return F.linear(x, self.weight, self.bias)
-        if self.packed is None or not self.weight.is_meta:  # first call, or .data was replaced
+        if self.packed is None or not (self.weight.is_meta or self.keep_dense):  # first call, or .data replaced
             self.pack()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
@@ -88,15 +96,20 @@ class PackedLinear(nn.Linear):
                 and not (torch.is_grad_enabled() and self.weight.requires_grad))
 
     def pack(self):
-        """The weight's values into oneDNN's layout; the Parameter keeps only its shape."""
+        """The weight's values into oneDNN's layout; the Parameter keeps only its shape
+        (unless keep_dense)."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), BATCH_HINT)
         self.dense_stride = self.weight.stride()  # row- or column-major (store_linears_column_major)
-        self.weight = as_parameter(torch.empty_like(self.weight, device="meta"), self.weight)
+        if not self.keep_dense:
+            self.weight = as_parameter(torch.empty_like(self.weight, device="meta"), self.weight)
 
     def dense_weight(self):
         """The packed values as the dense weight they came from, in its memory layout."""
-        dense = torch.empty_strided(self.weight.shape, self.dense_stride, dtype=self.weight.dtype)
-        return dense.copy_(self.packed.to_dense())  # to_dense: (out, in) row-major
+        # a normal tensor even under inference_mode (the loop's): a Parameter made of an
+        # inference tensor has no version counter, which the compiled step's key reads
+        with torch.inference_mode(False):
+            dense = torch.empty_strided(self.weight.shape, self.dense_stride, dtype=self.weight.dtype)
+            return dense.copy_(self.packed.to_dense())  # to_dense: (out, in) row-major
 
     def unpack(self):
         """The Parameter holds the weight again, and the packed copy is dropped."""
@@ -134,23 +147,26 @@ def as_parameter(values, like):
 def pack_linears(model, min_weights=PACK_MIN_WEIGHTS):
     """Make every float32 nn.Linear of a CPU model with at least min_weights weights a
     PackedLinear, in place; returns the model. Anything else (smaller, another device or
-    dtype, a weight tied to another module, quantized layers, a torch without oneDNN) is
-    left as it is."""
+    dtype, quantized layers, a torch without oneDNN) is left as it is; a weight tied to
+    another module keeps its dense copy too."""
     if not torch.backends.mkldnn.is_available():
         return model
     holders = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (type(child) is nn.Linear and child.weight.device.type == "cpu" and holders[id(child.weight)] == 1
+            if (type(child) is nn.Linear and child.weight.device.type == "cpu"
                     and child.weight.dtype == torch.float32 and child.weight.numel() >= min_weights):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, keep_dense=holders[id(child.weight)] > 1))
     return model
 
 
 def unpack_linears(model):
-    """Every PackedLinear of model holds its dense weight again (before torch.export or
-    torch.compile reads the Parameters); the next eager call packs it again. Returns the model."""
+    """Every PackedLinear of model holds its dense weight again and packs no more: what a
+    model whose step is compiled needs (torch.export and inductor read the Parameters, and
+    a weight packed again after each build would be a new weight to the next). Returns the
+    model."""
     for module in model.modules():
         if isinstance(module, PackedLinear):
             module.unpack()
+            module.packing = False
     return model

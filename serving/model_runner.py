@@ -24,6 +24,7 @@ compiled step makes inside its graph and the others here; then the requests that
 
 import torch
 
+from generation.cpu_layout import unpack_linears
 from sample import sample, sample_rows_with_noise
 from serving.decode_index import DecodeIndex, column_slots, fed_rows
 from serving.lone_step import LoneStep
@@ -65,6 +66,8 @@ class ModelRunner:
         self.model, self.pool, self.vocab_limit = model, pool, vocab_limit
         self.device = model.lm_head.weight.device
         self.compiled_decode = attention == "kernel"
+        if self.compiled_decode or compile:  # graphs read the dense weights: none stays packed
+            unpack_linears(model)
         self.lone = LoneStep(model, pool, vocab_limit) if compile else None
         self.lone_steps = self.compiled_prefills = 0
         self.index = DecodeIndex(pool.tokens_per_block, self.device)

@@ -39,15 +39,17 @@ def test_packed_linear_computes_what_nn_linear_does(rows, bias):
     assert packed.packed is not None  # the oneDNN path ran, not the fallback
 
 
-def test_a_model_packs_every_untied_float32_linear_and_keeps_its_state_dict_and_tie():
+def test_a_model_packs_every_float32_linear_and_keeps_its_state_dict_and_tie():
     model = tiny_model(TINY_CONFIGS[0])
     before = {k: v.clone() for k, v in model.state_dict().items()}
     pack_linears(model, min_weights=0)
-    model(torch.tensor([[1, 2, 3]]))  # packs them
+    with torch.no_grad():  # inference: a call with gradients wanted multiplies the dense weight
+        model(torch.tensor([[1, 2, 3]]))  # packs them
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not model.lm_head]
-    assert linears and all(type(m) is PackedLinear for m in linears)
-    assert type(model.lm_head) is nn.Linear  # tied: the embedding's lookup needs the dense weight
-    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    assert linears and all(type(m) is PackedLinear and m.weight.is_meta for m in linears)
+    # tied: packed too, but its dense weight stays, since the embedding's lookup reads it
+    assert type(model.lm_head) is PackedLinear and model.lm_head.packed is not None
+    assert model.lm_head.weight is model.transformer.wte.weight and not model.lm_head.weight.is_meta
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
@@ -137,3 +139,20 @@ def test_gradients_flow_to_the_weight_as_through_nn_linear():
     packed(x).square().sum().backward()
     torch.testing.assert_close(packed.weight.grad, lin.weight.grad)
     torch.testing.assert_close(packed.bias.grad, lin.bias.grad)
+
+
+@torch.no_grad()
+def test_a_model_whose_step_is_compiled_packs_no_more():
+    # torch.export and inductor read the Parameters: unpack_linears gives every weight back
+    # and keeps it dense, so a later eager call does not pack it again (each repacking would
+    # be a new weight to the next build)
+    model = tiny_model(TINY_CONFIGS[0])
+    pack_linears(model, min_weights=0)
+    idx = torch.tensor([[1, 2, 3]])
+    expected = model(idx)[0]
+    unpack_linears(model)
+    assert not any(p.is_meta for p in model.parameters())
+    # the dense weights multiply through MKL again: the same sums in another order (1e-5, above)
+    torch.testing.assert_close(model(idx)[0], expected, rtol=1e-5, atol=1e-5)
+    assert all(m.packed is None for m in model.modules() if isinstance(m, PackedLinear))
+
