@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from base_model import GPTConfig
 from conftest import TINY_CONFIGS, tiny_model
 from generation.cpu_layout import PackedLinear, pack_linears, unpack_linears
 from weight_quant import Int8Linear, quantize_model
@@ -156,3 +157,20 @@ def test_a_model_whose_step_is_compiled_packs_no_more():
     torch.testing.assert_close(model(idx)[0], expected, rtol=1e-5, atol=1e-5)
     assert all(m.packed is None for m in model.modules() if isinstance(m, PackedLinear))
 
+
+
+@torch.no_grad()
+def test_a_packed_model_compiles_after_an_eager_call_and_gives_the_same_tokens(builds):
+    # the eager prefill packs the weights (the Parameters then hold no values), and the
+    # compiled step is exported from the Parameters: compile_for unpacks them first, for good
+    config = GPTConfig(context_len=64, vocab_size=260, n_layer=1, n_head=2, n_embd=64)
+    model = tiny_model(config).eval()
+    idx = torch.tensor([[1, 2, 3]])
+    eager = model.generate(idx, 6, temperature=0)
+    pack_linears(model, min_weights=0)
+    assert torch.equal(model.generate(idx, 6, temperature=0), eager)  # packed: the weights now meta
+    assert any(m.weight.is_meta for m in model.modules() if isinstance(m, PackedLinear))
+    assert torch.equal(model.generate(idx, 6, temperature=0, compile=True), eager)
+    assert len(builds) == 1 and not any(p.is_meta for p in model.parameters())
+    assert torch.equal(model.generate(idx, 6, temperature=0), eager)  # eager again: not repacked
+    assert all(m.packed is None for m in model.modules() if isinstance(m, PackedLinear))
