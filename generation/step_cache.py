@@ -80,8 +80,8 @@ def weights_hash(module):
 def settings(module):
     """A module's own settings: its attributes that are plain values (a group size, a dtype,
     the config, the sampling settings), not tensors or modules, as text. Not tuples: a
-    module may keep a weight's address in one (cpu_layout.py's PackedLinear), which is no
-    setting and differs in every process."""
+    tuple may hold a tensor's layout of the moment (cpu_layout.py's PackedLinear keeps its
+    weight's strides in one), which changes nothing the graph computes."""
     plain = (bool, int, float, str, dict, torch.dtype, type(None))
     return {name: repr(value) for name, value in sorted(vars(module).items())
             if not name.startswith("_") and (isinstance(value, plain) or dataclasses.is_dataclass(value))}
