@@ -10,7 +10,7 @@ export class ApiError extends Error {
 }
 
 export class Api {
-  // onKeyNeeded(message): called on a 401, to ask the person for the key
+  // onKeyNeeded(): called on a 401, to ask the person for the key
   constructor(onKeyNeeded) {
     this.key = null; // kept in this tab's memory only: never written to storage
     this.onKeyNeeded = onKeyNeeded;
@@ -25,7 +25,7 @@ export class Api {
     });
     if (!response.ok) {
       const message = await errorMessage(response);
-      if (response.status === 401) this.onKeyNeeded(message);
+      if (response.status === 401) this.onKeyNeeded();
       throw new ApiError(response.status, message);
     }
     return response;

@@ -27,8 +27,8 @@ async function start() {
   try {
     model = (await api.get("/v1/cache")).model;
   } catch (error) {
-    showError(error.message);
-    return; // a 401 shows the key form, whose button starts again
+    if (error.status !== 401) showError(error.message); // a 401 shows the key form instead
+    return; // the key form's button starts again
   }
   $("model-name").textContent = `${model.name}, context ${model.context_len} tokens`;
   const template = model.chat_template;
@@ -41,8 +41,11 @@ async function start() {
   cache.start();
 }
 
-function askForKey(message) {
-  $("key-note").textContent = message;
+// The server's 401 message is written for API clients; the page says it in its own words.
+function askForKey() {
+  $("key-note").textContent = api.key
+    ? "The server refused that key; try again:"
+    : "This server wants its API key (serve.py --api-key or $KVCACHE_API_KEY):";
   $("key-form").hidden = false;
 }
 
