@@ -306,10 +306,13 @@ class CompletionServer:
                     self.engine.cancel(r)
 
     async def tokenize(self, request):
-        ids = await asyncio.to_thread(parse_tokenize, request[BODY], self.tokenizer, self.context,
-                                      self.model_name, self.chat_template)
-        # token_strs (vLLM's return_token_strs): each token's bytes decoded alone, as in logprobs
-        strs = [token_text(self.tokenizer, t) for t in ids] if flag(request[BODY], "return_token_strs") else None
+        def tokens_and_texts():  # on a worker thread, as a completion's prompt is encoded
+            ids = parse_tokenize(request[BODY], self.tokenizer, self.context, self.model_name,
+                                 self.chat_template)
+            # token_strs (vLLM's return_token_strs): each token's bytes decoded alone, as in logprobs
+            return ids, ([token_text(self.tokenizer, t) for t in ids]
+                         if flag(request[BODY], "return_token_strs") else None)
+        ids, strs = await asyncio.to_thread(tokens_and_texts)
         return web.json_response({"count": len(ids), "max_model_len": self.context, "tokens": ids,
                                   "token_strs": strs})
 

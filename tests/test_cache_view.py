@@ -12,7 +12,6 @@ import time
 import urllib.request
 
 import pytest
-import torch
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("jinja2")
@@ -70,8 +69,8 @@ def test_the_view_says_which_blocks_are_held_shared_cached_and_free(model):
 
 def test_a_large_pool_is_drawn_with_the_busiest_block_of_each_cell(monkeypatch):
     monkeypatch.setattr(view_module, "MAX_CELLS", 4)
-    states = torch.tensor([FREE, FREE, HELD, FREE, CACHED, SHARED, FREE, FREE, FREE, FREE],
-                          dtype=torch.uint8)  # the null block, then 9 blocks: 3 cells of 3
+    states = bytearray([FREE, FREE, HELD, FREE, CACHED, SHARED, FREE, FREE, FREE, FREE])
+    # the null block, then 9 blocks: 3 cells of 3
     assert cells(states) == ("hs.", 3)
     assert cells(states[:4]) == (".h.", 1)
 

@@ -176,6 +176,18 @@ def send(driver, prompt, typed=True, **fields):
     driver.find_element(By.ID, "send").click()
 
 
+def record_bodies(driver):
+    """From now on, keep every JSON body the page sends (sent_bodies reads them)."""
+    driver.execute_script("window.sentBodies = []; const send = window.fetch; "
+                          "window.fetch = (url, options = {}) => { if (options.body) "
+                          "window.sentBodies.push([String(url), JSON.parse(options.body)]); "
+                          "return send(url, options); };")
+
+
+def sent_bodies(driver, path):
+    return [body for url, body in js(driver, "window.sentBodies") if url.endswith(path)]
+
+
 def finished(driver):
     return driver.find_element(By.ID, "stat-finish").text
 
@@ -209,8 +221,13 @@ def no_console_errors(driver):
 def test_a_greedy_reply_streams_in_as_tokens_and_is_the_apis_text(browser, url):
     prompt = "JULIET:\nO Romeo"
     open_page(browser, url)
+    record_bodies(browser)
     send(browser, prompt, temperature=0, max_tokens=24)
     wait_finished(browser)
+    # the controls left alone (top_p, min_p, the penalties, seed, stop) send nothing
+    assert sent_bodies(browser, "/v1/completions") == [{
+        "prompt": prompt, "logprobs": 5, "max_tokens": 24, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}}]
     api = post(url, "v1/completions", {"prompt": prompt, "temperature": 0, "max_tokens": 24, "logprobs": 5})
     choice = api["choices"][0]
     assert texts(browser, "#conversation .reply") == [choice["text"]]
@@ -291,11 +308,14 @@ def test_chat_renders_the_template_and_replies_as_the_api_does(browser, url):
     assert "shakespeare_chat.jinja" in browser.find_element(By.ID, "template-note").text
     browser.find_element(By.CSS_SELECTOR, "input[value=chat]").click()
     browser.find_element(By.ID, "system").send_keys("A street in Verona.")
-    send(browser, "Good morrow, cousin.", temperature=0, max_tokens=16)
+    record_bodies(browser)
+    send(browser, "Good morrow, cousin.", temperature=0, max_tokens=40, stop=r"\n\n")  # the box's escape
     wait_finished(browser)
     messages = [{"role": "system", "content": "A street in Verona."},
                 {"role": "user", "content": "Good morrow, cousin."}]
-    api = post(url, "v1/chat/completions", {"messages": messages, "temperature": 0, "max_tokens": 16})
+    assert sent_bodies(browser, "/v1/chat/completions")[0]["stop"] == ["\n\n"]
+    api = post(url, "v1/chat/completions", {"messages": messages, "temperature": 0, "max_tokens": 40,
+                                            "stop": ["\n\n"]})
     assert texts(browser, "#conversation .message .text") == [
         "A street in Verona.", "Good morrow, cousin.", api["choices"][0]["message"]["content"]]
     tokens = post(url, "tokenize", {"messages": messages, "return_token_strs": True})
@@ -363,7 +383,8 @@ def test_screenshot(browser, url, request):
         browser.find_element(By.ID, "system").send_keys(start)
         send(browser, "Speak, Romeo: what says your heart?", typed=False, max_tokens=FOREVER, seed=7)
         wait_for(browser, lambda: len(texts(browser, "#reply-tokens .token")) >= 40, "a reply")
-        ActionChains(browser).move_to_element(browser.find_element(By.CSS_SELECTOR, "#reply-tokens .token")).perform()
+        first = browser.find_element(By.CSS_SELECTOR, "#reply-tokens .token")
+        ActionChains(browser).move_to_element(first).perform()  # its alternatives in the picture
         browser.save_screenshot(path)
         browser.find_element(By.ID, "stop").click()
     finally:
