@@ -14,7 +14,7 @@ const STATE_NAMES = {".": "free", c: "cached", h: "held", s: "shared"};
 const OWNER_COLOURS = 8; // page.css has .owner-0 .. .owner-7
 
 export class CacheView {
-  // api: an Api; ids: {grid, counts, requests, formula, engine} -> elements
+  // api: an Api; elements: {grid, counts, requests, formula, engine}, where it draws
   constructor(api, elements) {
     this.api = api;
     this.el = elements;
@@ -22,23 +22,26 @@ export class CacheView {
     this.busy = false; // this tab is streaming: poll fast
     this.mine = null; // this tab's latest reply id (cmpl-..., chatcmpl-...)
     this.timer = null;
+    this.round = 0; // start() begins a new round of polls; a poll of an older one stops there
     elements.grid.addEventListener("mouseover", (event) => this.describeCell(event.target));
   }
 
-  // Poll from now on (again at once: after a request starts, or the key was given).
+  // Poll from now on, the first at once (when a reply starts or ends, when the key is given).
   start() {
     clearTimeout(this.timer);
-    this.poll();
+    this.round += 1;
+    this.poll(this.round);
   }
 
-  async poll() {
+  async poll(round) {
     try {
       this.draw(await this.api.get("/v1/cache"));
     } catch (error) {
       this.el.counts.textContent = `cache view unavailable: ${error.message}`;
       if (error.status === 401) return; // until the key is given (start() again)
     }
-    this.timer = setTimeout(() => this.poll(), this.busy ? POLL_BUSY_MS : POLL_IDLE_MS);
+    if (round !== this.round) return; // start() was called meanwhile: its round goes on
+    this.timer = setTimeout(() => this.poll(round), this.busy ? POLL_BUSY_MS : POLL_IDLE_MS);
   }
 
   draw(view) {

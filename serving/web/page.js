@@ -18,12 +18,12 @@ const cache = new CacheView(api, {
 const promptTokens = new TokenView($("prompt-tokens"), $("tooltip"));
 const replyTokens = new TokenView($("reply-tokens"), $("tooltip"));
 const messages = []; // the chat so far: [{role, content}]
-let model = null; // /v1/cache's "model": name, context_len, chat_template
 let streaming = null; // the AbortController of the reply being streamed
 
 // ------------------------------------------------------------------ starting, the key
 
 async function start() {
+  let model; // /v1/cache's "model": name, context_len, chat_template
   try {
     model = (await api.get("/v1/cache")).model;
   } catch (error) {
