@@ -3,8 +3,9 @@
 against servers started here on 127.0.0.1 with the bundled model. A person's steps, each
 checked against the API: a greedy reply streams in as tokens and is the API's text; the
 cache's grid fills while a reply streams, and the stop button frees it; a second tab
-with the same prompt shares its blocks; what the model writes stays text; without the
-API key the page gets nothing.
+with the same prompt shares its blocks; three tabs on a small pool show a preemption; a
+chat goes through the template; what the model writes stays text; without the API key
+the page gets nothing.
 
     python -m pytest tests/test_web_page.py --screenshot docs/serving-page.png
 
@@ -12,6 +13,7 @@ also saves the picture of the page that docs/serving.md shows (test_screenshot).
 
 import json
 import math
+import re
 import shutil
 import urllib.request
 
@@ -70,6 +72,20 @@ def url(bundled):
     with BackgroundServer(engine, tokenizer, "kvcache-gpt", chat_template=template,
                           context_policy="reprefill") as api:
         yield api.removesuffix("v1")
+
+
+@pytest.fixture(scope="module")
+def small_pool_url(bundled):
+    """The page of a server whose pool holds one full context, 16 blocks: three replies to
+    prompts of 5 blocks do not fit for long, and the newest is preempted."""
+    model, tokenizer = bundled[0].model, bundled[1]
+    engine = Engine(model, tokenizer, num_blocks=16, attention="gather")
+    engine.start()
+    try:
+        with BackgroundServer(engine, tokenizer, "kvcache-gpt", context_policy="reprefill") as api:
+            yield api.removesuffix("v1")
+    finally:
+        engine.stop()
 
 
 def model_that_writes(text, vocab_size):
@@ -301,6 +317,29 @@ def test_a_second_tab_with_the_same_prompt_shares_its_blocks(browser, url):
     finally:
         browser.close()
         browser.switch_to.window(first_tab)
+
+
+def test_three_tabs_on_a_small_pool_show_a_preemption(browser, small_pool_url):
+    first_tab = browser.current_window_handle
+
+    def preemptions():  # as the page says it: "..., 1 preemptions; ..."
+        return int(re.search(r"(\d+) preemptions", browser.find_element(By.ID, "cache-engine").text)[1])
+    try:
+        for i in range(3):
+            if i:
+                browser.switch_to.new_window("tab")
+            open_page(browser, small_pool_url)
+            send(browser, f"{i}. {SPEECH}", typed=False, max_tokens=FOREVER)  # no prefix shared
+        wait_for(browser, lambda: preemptions() >= 1, "a preemption")
+    finally:
+        for handle in browser.window_handles[::-1]:
+            browser.switch_to.window(handle)
+            browser.find_element(By.ID, "stop").click()
+            if handle != first_tab:
+                browser.close()
+        browser.switch_to.window(first_tab)
+    wait_for(browser, lambda: grid(browser)["held"] == grid(browser)["shared"] == 0, "every block freed")
+    no_console_errors(browser)
 
 
 def test_chat_renders_the_template_and_replies_as_the_api_does(browser, url):
