@@ -270,8 +270,11 @@ def test_a_greedy_reply_streams_in_as_tokens_and_is_the_apis_text(browser, url):
                           reverse=True)
     assert rows[0][0] == json.dumps(chosen) and rows[0][2] == "chosen"
     assert [r[0] for r in rows[1:]] == [json.dumps(t) for _, t in alternatives]
-    # sent again, the prompt box holds prompt + reply: the page's way to go on
+    # the prompt box now holds prompt + reply: sent again, it goes on from the cached prefix
     assert js(browser, "document.getElementById('prompt').value") == prompt + choice["text"]
+    browser.find_element(By.ID, "send").click()
+    wait_for(browser, lambda: browser.find_element(By.ID, "stat-cached").text, "the second reply's usage")
+    assert int(browser.find_element(By.ID, "stat-cached").text.split(" of ")[0]) >= 16  # a block
     no_console_errors(browser)
 
 
