@@ -3,6 +3,7 @@ Serve a checkpoint over HTTP with OpenAI's API (completions, chat completions), 
 requests at once:
 
     python serve.py                                  # the bundled model on 127.0.0.1:8000
+                                                     # (open http://127.0.0.1:8000/: the page)
     python serve.py --hf ~/models/gpt2 --port 8080
     python serve.py --chat-template chat.jinja       # /v1/chat/completions too
     KVCACHE_API_KEY=secret python serve.py           # clients must send the key
@@ -168,7 +169,8 @@ def main():
                         "choose another --port or --host") from None
     try:
         extras = ", API key required" if args.api_key else ""  # never the key itself
-        print(f"serving {args.served_model_name} on {url} (Ctrl-C stops{extras})",
+        print(f"serving {args.served_model_name} on {url} (Ctrl-C stops{extras})\n"
+              f"the page, to chat and watch the KV cache: {url.removesuffix('/v1')}/",
               file=sys.stderr, flush=True)
         run_until_stopped(engine)  # ... and the engine on this one, which loaded the model
     finally:

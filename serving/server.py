@@ -13,9 +13,13 @@ An OpenAI-compatible HTTP server on the engine (the command is serve.py):
     GET  /v1/models        the one model served, with max_model_len
     GET  /metrics          Prometheus's text format (metrics.py)
     GET  /health           {"status": "ok"} and the engine's counters (blocks free, ...)
+    GET  /v1/cache         the paged pool's blocks: free, cached, held by each request,
+                           shared (cache_view.py)
+    GET  /                 the web page (serving/web/): chat with the model, watch the cache
 
-With an API key (serve.py --api-key), every path but /health wants the header
-`Authorization: Bearer KEY` and answers 401 without it. A prompt plus max_tokens longer
+With an API key (serve.py --api-key), every path but /health and the page's own files
+wants the header `Authorization: Bearer KEY` and answers 401 without it (the page asks
+for the key and sends it). A prompt plus max_tokens longer
 than the model's context is refused (400, naming both), as OpenAI and vLLM do, unless the
 server keeps going past the context (context_policy "reprefill", the generation loop's
 policy). Each endpoint's body is read in request_parsing.py, the answers are shaped in
@@ -47,19 +51,34 @@ import logging
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
+from pathlib import Path
 
 from aiohttp import web
 
 from serving.admission import SERVING_CONTEXT_POLICIES, Overloaded, RequestTooLarge
+from serving.cache_view import cache_view, pool_formula
 from serving.metrics import ServerMetrics
-from serving.replies import ChatReply, CompletionReply, EngineFailed
-from serving.request_parsing import (BadRequest, parse_chat, parse_completion, parse_detokenize,
+from serving.replies import ChatReply, CompletionReply, EngineFailed, token_text
+from serving.request_parsing import (BadRequest, flag, parse_chat, parse_completion, parse_detokenize,
                                      parse_tokenize)
 
 MAX_JSON_DEPTH = 64  # a real request nests 3 to 6 deep; 1,000 deep broke json.loads itself
 BODY = web.RequestKey("body", object)  # request[BODY]: the parsed JSON body (read_body)
-OPEN_PATHS = ("/health",)  # answered without the API key
+# the web page's files, by path: (file in serving/web/, content type); loaded without the
+# key (they hold no data: what the page shows, it fetches with the key)
+PAGE_FILES = {"/": ("index.html", "text/html"), "/web/page.css": ("page.css", "text/css"),
+              "/web/icon.svg": ("icon.svg", "image/svg+xml"),
+              **{f"/web/{name}": (name, "text/javascript")
+                 for name in ("page.js", "api.js", "controls.js", "tokens.js", "cache.js")}}
+OPEN_PATHS = ("/health", *PAGE_FILES)  # answered without the API key
+# The page's files run no script but their own: no inline script or style for a prompt's
+# text to smuggle one into, no other origin to load from or send to
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; "
+                "frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
 
 
 def error_response(status, message, param=None, code=None, kind="invalid_request_error"):
@@ -199,6 +218,16 @@ class CompletionServer:
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine)
         self.hand_out = HandOut()
+        # engine request -> (its reply's id, choice index), for /v1/cache; an entry goes
+        # with its request
+        self.reply_ids = weakref.WeakKeyDictionary()
+        self.formula = pool_formula(engine.model, engine.pool)
+        template = None if chat_template is None else {
+            "origin": Path(chat_template.origin).name,  # a file's name, not where it lives
+            "end_of_turn": [tokenizer.decode([t]) for t in chat_template.end_of_turn_ids]}
+        self.model_info = {"name": model_name, "context_len": self.context, "chat_template": template}
+        folder = Path(__file__).parent / "web"
+        self.page = {path: ((folder / name).read_bytes(), kind) for path, (name, kind) in PAGE_FILES.items()}
         # the configuration that decides what the model writes: same fingerprint, same weights
         # and settings (OpenAI's system_fingerprint; here a hash, not a build identifier)
         weights = engine.model.lm_head.weight
@@ -216,10 +245,21 @@ class CompletionServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/cache", self.cache)
+        for path in PAGE_FILES:
+            app.router.add_get(path, self.page_file)
         return app
 
     async def health(self, request):
         return web.json_response({"status": "ok", **self.engine.stats()})
+
+    async def cache(self, request):
+        return web.json_response(cache_view(self.engine, self.reply_ids.get, self.formula,
+                                            self.model_info))
+
+    async def page_file(self, request):
+        body, kind = self.page[request.path]
+        return web.Response(body=body, content_type=kind, charset="utf-8", headers=PAGE_HEADERS)
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [{
@@ -254,6 +294,8 @@ class CompletionServer:
         choices = self.engine.submit(parsed.prompts, parsed.samples, on_output)
         self.metrics.received(sum(map(len, parsed.prompts)))
         reply = make_reply(self, choices, outputs, [len(p) for p in parsed.prompts], len(parsed.samples))
+        for i, r in enumerate(choices):
+            self.reply_ids[r] = (reply.id, i)
         try:
             if parsed.stream:
                 return await reply.stream(request, parsed.include_usage)
@@ -264,10 +306,15 @@ class CompletionServer:
                     self.engine.cancel(r)
 
     async def tokenize(self, request):
-        ids = await asyncio.to_thread(parse_tokenize, request[BODY], self.tokenizer, self.context,
-                                      self.model_name, self.chat_template)
+        def tokens_and_texts():  # on a worker thread, as a completion's prompt is encoded
+            ids = parse_tokenize(request[BODY], self.tokenizer, self.context, self.model_name,
+                                 self.chat_template)
+            # token_strs (vLLM's return_token_strs): each token's bytes decoded alone, as in logprobs
+            return ids, ([token_text(self.tokenizer, t) for t in ids]
+                         if flag(request[BODY], "return_token_strs") else None)
+        ids, strs = await asyncio.to_thread(tokens_and_texts)
         return web.json_response({"count": len(ids), "max_model_len": self.context, "tokens": ids,
-                                  "token_strs": None})
+                                  "token_strs": strs})
 
     async def detokenize(self, request):
         ids = parse_detokenize(request[BODY], self.tokenizer, self.model_name)

@@ -30,6 +30,11 @@ from generation import compiled_step, step_cache  # noqa: E402
 from kv_cache import KVCacheGPT  # noqa: E402
 from plumbing.tokenizer import encoding_from_spec  # noqa: E402
 
+def pytest_addoption(parser):
+    parser.addoption("--screenshot", metavar="PNG", help="tests/test_web_page.py: save a picture "
+                     "of the page there (docs/serving-page.png is the one docs/serving.md shows)")
+
+
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 # Small shapes that still cover what matters: several heads, a non-power-of-two head count,

@@ -133,7 +133,8 @@ content_types = st.sampled_from([None, "application/json", "text/plain", "applic
                                  "multipart/form-data; boundary=x", "application/json; charset=latin-1"])
 ROUTES = [("POST", "/v1/completions")] * 8 + [("GET", "/health"), ("GET", "/v1/models"),
                                               ("POST", "/v1/models"), ("PUT", "/v1/completions"),
-                                              ("DELETE", "/health"), ("POST", "/v1/nothing")]
+                                              ("DELETE", "/health"), ("POST", "/v1/nothing"),
+                                              ("GET", "/v1/cache"), ("POST", "/"), ("POST", "/web/page.js")]
 
 
 def test_fuzzed_requests_get_a_proper_answer_and_leak_nothing(server):

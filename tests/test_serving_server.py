@@ -224,6 +224,9 @@ def test_serve_py_serves_a_checkpoint_and_stops_on_ctrl_c(tiny_ckpt):
                 break
         else:
             raise AssertionError("serve.py ended without serving")
+        page = next(process.stderr)  # 'the page, to chat and watch the KV cache: http://...'
+        with urllib.request.urlopen(page.split()[-1], timeout=60) as response:
+            assert b'src="/web/page.js"' in response.read()
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
         r = client.completions.create(model="kvcache-gpt", prompt="Hi", max_tokens=3)
         assert len(r.choices) == 1 and r.usage.completion_tokens <= 3
