@@ -80,7 +80,7 @@ class Budget:
 
     def spend(self, value):
         """Count a value made (or written): its size leaves the budget."""
-        if value.__class__ is str:
+        if isinstance(value, str):  # Markup too (|safe)
             self.chars -= len(value)
         else:
             check_items(value)
