@@ -120,8 +120,10 @@ class Progress:
         self.done, self.total = done, total
         if self.stream is not None:
             taken = time.monotonic() - self.started
-            print(f"\r{self.label}: {done:,} of {total:,} windows, {clock(taken)} taken, "
-                  f"~{clock(taken / done * (total - done))} left ", end="\n" if done == total else "",
+            line = (f"{total:,} windows in {clock(taken)}" if done == total else
+                    f"{done:,} of {total:,} windows, {clock(taken)} taken, "
+                    f"~{clock(taken / done * (total - done))} left")
+            print(f"\r{self.label}: {line:<60}", end="\n" if done == total else "",
                   file=self.stream, flush=True)
 
     def stopped(self):
