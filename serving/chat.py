@@ -31,7 +31,8 @@ from plumbing.text_stream import eos_token_ids
 from serving.template_limits import RENDER_MAX_CHARS, BoundedSandbox, RenderLimit, render_budget
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
-TEMPLATE_MAX_BYTES = 1 << 20  # real templates are a few KB
+# real templates are a few KB; Jinja compiles 256 KB in ~10 s on a busy 2-core machine
+TEMPLATE_MAX_BYTES = 1 << 18
 
 
 class TemplateError(ValueError):
@@ -175,6 +176,9 @@ def template_from_hf_dir(path, tokenizer):
             return None
         if not isinstance(source, str):
             raise TemplateError(f"{origin}: chat_template must be a string")
+        if len(source.encode("utf-8", "surrogatepass")) > TEMPLATE_MAX_BYTES:
+            raise TemplateError(f"{origin}: its chat_template is larger than {TEMPLATE_MAX_BYTES:,} "
+                                "bytes, not a chat template")
     return ChatTemplate(source, tokenizer, token("bos_token"), token("eos_token"), origin=str(origin))
 
 

@@ -148,6 +148,13 @@ def test_a_malformed_list_of_named_templates_is_one_line(tmp_path, entries):
         template_from_hf_dir(tmp_path, TOKENIZER)
 
 
+def test_a_chat_template_string_past_the_file_limit_is_refused_before_it_compiles(tmp_path):
+    source = "{{ messages[0].content }}" * (TEMPLATE_MAX_BYTES // 20)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": source}))
+    with pytest.raises(TemplateError, match="its chat_template is larger than 262,144 bytes"):
+        template_from_hf_dir(tmp_path, TOKENIZER)
+
+
 def test_the_list_form_uses_the_template_named_default(tmp_path):
     entries = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": entries}))
