@@ -45,7 +45,7 @@ class TemplateTooCostly(TemplateError):
 
 
 def raise_exception(message):  # what templates call to refuse a conversation
-    raise TemplateError(message)
+    raise TemplateError(" ".join(str(message)[:500].split()))  # one line, not a page
 
 
 class ChatTemplate:

@@ -77,6 +77,7 @@ def test_errors_of_a_template_are_template_errors_not_tracebacks():
     cases = {"{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}": "RecursionError",
              "{% for m in messages recursive %}{{ loop([m, m]) }}{% endfor %}": "RecursionError",
              "{{ lipsum(1000000) }}": "'lipsum' is undefined",  # removed: lorem ipsum on demand
+             "{{ raise_exception('no\\n' * 1000000) }}": "no",  # the first 500 characters
              "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}": "not a Jinja template",
              "{% if 1 %}" * 3000 + "x" + "{% endif %}" * 3000: "not a Jinja template",
              "{% for i in [1] %}" * 50 + "x" + "{% endfor %}" * 50: "not a Jinja template"}
@@ -152,6 +153,13 @@ def test_a_chat_template_string_past_the_file_limit_is_refused_before_it_compile
     source = "{{ messages[0].content }}" * (TEMPLATE_MAX_BYTES // 20)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": source}))
     with pytest.raises(TemplateError, match="its chat_template is larger than 262,144 bytes"):
+        template_from_hf_dir(tmp_path, TOKENIZER)
+
+
+def test_a_costly_template_in_tokenizer_config_is_stopped_at_load(tmp_path):
+    # serve.py --hf DIR hung here, at the end-of-turn probe; serve.py makes this one line
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": NESTED_RANGES}))
+    with pytest.raises(TemplateTooCostly, match=STEPS):
         template_from_hf_dir(tmp_path, TOKENIZER)
 
 
