@@ -37,7 +37,7 @@ from jinja2.compiler import CodeGenerator
 from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-RENDER_STEPS = 200_000       # real templates take 2-3 a message (Llama 3's, Qwen 2.5's)
+RENDER_STEPS = 200_000       # real templates take 2-3 a message (Llama 3's 2, Qwen 2.5's 2.5)
 RENDER_SECONDS = 1.0         # they render 100 messages in ~5 ms; this is for slow steps
 RENDER_MAX_CHARS = 1 << 21   # the rendered prompt (~500K tokens of English: more than any
                              # context here holds), and the largest number a call may be given
