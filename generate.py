@@ -49,7 +49,7 @@ from plumbing.cli import (ArgumentParser, add_compile_cache_arg, add_model_args,
                           proposer_from_args, use_compile_cache_arg)
 from plumbing.memory import check_fits_in_memory, generation_memory  # noqa: E402
 from plumbing.outputs import json_text  # noqa: E402
-from plumbing.scoring import score  # noqa: E402
+from plumbing.scoring import Progress, score  # noqa: E402
 from plumbing.stats_report import print_stats, stats_report  # noqa: E402
 from plumbing.text_input import encode_user_text, parse_prompts_file, read_text  # noqa: E402
 from plumbing.text_stream import SampleText  # noqa: E402
@@ -306,7 +306,14 @@ def main():
         raise UserError(f"--context-policy {args.context_policy}: {e}") from None
     if args.score is None:
         return generate(args, prompts, model, tokenizer, device, proposer)
-    result = score(model, tokenizer, text, device, args.kv_dtype)
+    # how far it is, on a terminal (not with --json, nor into a file or a pipe)
+    progress = Progress(f"--score {args.score}", sys.stderr
+                        if sys.stderr.isatty() and not args.json else None)
+    try:
+        result = score(model, tokenizer, text, device, args.kv_dtype, progress)
+    except KeyboardInterrupt:
+        print(("\n" if progress.stream and progress.done else "") + progress.stopped(), file=sys.stderr)
+        raise
     if args.json:
         print(json_text(result))
     else:

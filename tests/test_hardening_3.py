@@ -235,3 +235,43 @@ def test_a_broken_directory_is_one_line_and_exit_2_from_the_command(tmp_path):
     result = run_script("generate.py", "--hf", tmp_path, "--device", "cpu", "--max-new-tokens", "1")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "sliding_window must be a positive integer or null" in result.stderr
+
+
+# ---------------------------------------------------------------------------- --score
+
+def test_windows_scored_in_batches_give_the_loss_of_windows_one_at_a_time(monkeypatch):
+    import torch
+    from conftest import TINY_CONFIGS, tiny_model
+    from plumbing import scoring
+    model, text = tiny_model(TINY_CONFIGS[0], seed=2), "To be, or not to be: that is the question. " * 20
+    seen = []
+    batched = scoring.score(model, TOKENIZER, text, torch.device("cpu"),
+                            progress=lambda done, total: seen.append((done, total)))
+    monkeypatch.setattr(scoring, "LOGITS_BUDGET", 1)  # one window per forward pass
+    alone = scoring.score(model, TOKENIZER, text, torch.device("cpu"))
+    # float32 sums in another order (a batch's matrix products): noise at 1e-6
+    assert batched["nats_per_token"] == pytest.approx(alone["nats_per_token"], rel=1e-5)
+    windows = len(scoring.score_windows(len(text), TINY_CONFIGS[0].context_len))
+    assert windows > 16 and seen == [(min(d, windows), windows) for d in range(16, windows + 16, 16)]
+
+
+def test_ctrl_c_stops_a_long_score_in_one_line(tmp_path, tiny_ckpt, monkeypatch):
+    # whitespace, the case that took more than 5 minutes: a token per character here. Ctrl-C
+    # comes as KeyboardInterrupt between two batches (here raised by the progress callback
+    # after the second, in-process: a process of its own costs seconds to start)
+    from conftest import run_script
+    from plumbing import scoring
+    path = tmp_path / "spaces.txt"
+    path.write_text(" \n\t" * 10_000)
+    report = scoring.Progress.__call__
+
+    def interrupted(progress, done, total):
+        report(progress, done, total)
+        if done >= 32:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(scoring.Progress, "__call__", interrupted)
+    result = run_script("generate.py", "--ckpt", tiny_ckpt, "--device", "cpu", "--score", path)
+    assert result.returncode == 130 and result.stdout == ""  # no result for a text scored in part
+    windows = len(scoring.score_windows(30_000, 64))
+    assert result.stderr.splitlines()[-1] == (f"--score {path}: stopped by Ctrl-C "
+                                              f"(32 of {windows:,} windows scored)")
