@@ -321,20 +321,17 @@ def parse_bytes(text):
     return nbytes
 
 
-def splits(shape, ranks, parser):
-    """Whether the shape splits over the ranks; a named shape that does not is left out with a
-    line saying why, the user's own model is an error."""
+def splits(shape, ranks, parser, named_by_user):
+    """Whether the shape splits over the ranks. One that does not is left out with a line
+    saying why, or is an error when the user named it (--ckpt, --hf)."""
     try:
         rank_shape(shape, ranks)
+        if ranks.pp > shape.n_layer:
+            raise ValueError(f"{shape.name}: {ranks.pp} pipeline stages for {shape.n_layer} layers")
     except ValueError as e:
-        if shape not in NAMED:
-            parser.error(f"--tensor-parallel: {e}")
+        if named_by_user:
+            parser.error(f"{e} (--tensor-parallel {ranks.tp}, --pipeline-parallel {ranks.pp})")
         print(f"left out: {e}", file=sys.stderr)
-        return False
-    if ranks.pp > shape.n_layer:
-        if shape not in NAMED:
-            parser.error(f"--pipeline-parallel: {ranks.pp} stages for {shape.n_layer} layers")
-        print(f"left out: {shape.name}: {ranks.pp} stages for {shape.n_layer} layers", file=sys.stderr)
         return False
     return True
 
@@ -379,7 +376,8 @@ def main():
         check_output_path(args.plot, "png")
         plt = import_pyplot()
     ranks = Ranks(args.tensor_parallel, args.pipeline_parallel)
-    shapes = [s for s in [checkpoint_shape(args)] + NAMED if splits(s, ranks, p)]
+    own = checkpoint_shape(args)
+    shapes = [s for s in [own] + NAMED if splits(s, ranks, p, s is own and (args.ckpt or args.hf))]
     plan_rows = plan(shapes, kv_dtypes, memory, args.length, args.batch, args.weights_dtype, ranks)
     if args.json:
         print(plan_json(shapes, memory, plan_rows, ranks))

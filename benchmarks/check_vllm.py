@@ -65,9 +65,25 @@ def load_vllm(vllm, hf_dir, tensor_parallel=1):
     """vLLM offline (LLM), eager mode, fp32; with tensor_parallel > 1, that many worker
     processes, each holding its share of every layer's heads (docs/parallelism.md)."""
     # on the CPU backend gpu_memory_utilization is the share of RAM vLLM reserves (for
-    # its KV cache); its default, 0.92, fails wherever anything else holds memory
-    return vllm.LLM(model=str(hf_dir), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
-                    tensor_parallel_size=tensor_parallel)
+    # its KV cache); its default, 0.92, fails wherever anything else holds memory, and
+    # every worker reserves its share: split between them
+    if tensor_parallel > 1:
+        bind_workers(tensor_parallel)
+    return vllm.LLM(model=str(hf_dir), dtype="float32", enforce_eager=True,
+                    gpu_memory_utilization=0.3 / tensor_parallel, tensor_parallel_size=tensor_parallel)
+
+
+def bind_workers(ranks):
+    """vLLM's CPU workers each bind their threads to a NUMA node of their own, and stop at
+    start-up where the machine has fewer nodes than workers (a VM has one). Given by hand,
+    VLLM_CPU_OMP_THREADS_BIND lists each worker's cores: "0|1" for two workers of one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise UserError(f"--tensor-parallel {ranks}: this machine lets us use {len(cores)} cores; "
+                        "vLLM's CPU workers need one each at least")
+    share = len(cores) // ranks
+    groups = [cores[r * share:(r + 1) * share] for r in range(ranks)]
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, g)) for g in groups))
 
 
 def theirs(vllm, llm, prompts, n):

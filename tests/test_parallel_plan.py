@@ -46,12 +46,13 @@ def test_heads_that_do_not_split_are_refused():
         rank_shape(LLAMA3_8B, Ranks(tp=3))
 
 
-def test_command_prints_per_rank_and_refuses_a_split_of_its_own_model():
+def test_command_prints_per_rank_and_refuses_a_split_of_the_model_it_was_given():
     out = subprocess.run([sys.executable, "memory_plan.py", "--tensor-parallel", "2", "--json"],
                          capture_output=True, text=True, check=True)
     assert '"tensor_parallel": 2' in out.stdout
-    assert "left out: GPT-2 xl: 25 query heads" in out.stderr  # a named shape is skipped
-    bad = subprocess.run([sys.executable, "memory_plan.py", "--tensor-parallel", "3"],
+    assert "left out: GPT-2 xl: 25 query heads" in out.stderr  # a shape it was not given: skipped
+    bad = subprocess.run([sys.executable, "memory_plan.py", "--tensor-parallel", "3",
+                          "--ckpt", "checkpoints/shakespeare/ckpt.pt"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert "--tensor-parallel: bundled model: 4 query heads do not split evenly over 3 ranks" in bad.stderr
+    assert "bundled model: 4 query heads do not split evenly over 3 ranks (--tensor-parallel 3" in bad.stderr
