@@ -21,9 +21,20 @@ the bytes a loaded, quantized model's tensors hold.
     python memory_plan.py --memory 80GiB --length 32768 --batch 8 --weights-dtype int4
     python memory_plan.py --json
     python memory_plan.py --plot docs/kv_memory.png
+    python memory_plan.py --tensor-parallel 2 --pipeline-parallel 2 --memory 16GiB
+
+Past one machine (docs/parallelism.md), every figure is per rank (each GPU or machine,
+with --memory its own): tensor parallelism (TP) splits every layer's heads across ranks,
+so a rank caches N_kv_heads / TP of them; pipeline parallelism (PP) gives each stage a
+slice of the layers, N_layers / PP of them:
+
+    S_cache per rank = 2 x (N_layers / PP) x (N_kv_heads / TP) x L x head_bytes
 """
 
+import dataclasses
+import math
 import re
+import sys
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -118,25 +129,77 @@ def windowed_cache_bytes(shape, kv_dtype, length, batch_size=1):
     return cache_bytes(shape, kept, batch_size, kv_dtype)
 
 
-def sequences_that_fit(shape, kv_dtype, length, memory, weights_dtype):
-    """How many sequences of `length` tokens fit in `memory` bytes once the weights are in."""
-    free = memory - weight_bytes(shape.config, weights_dtype)  # integers: exact at any size
+def sequences_that_fit(shape, kv_dtype, length, memory, weights):
+    """How many sequences of `length` tokens fit in `memory` bytes once `weights` bytes are in."""
+    free = memory - weights  # integers: exact at any size
     return max(0, free // windowed_cache_bytes(shape, kv_dtype, length))
 
 
-def plan(shapes, kv_dtypes, memory, length, batch, weights_dtype):
+# ---------------------------------------------------------------------------- per rank
+
+@dataclass(frozen=True)
+class Ranks:
+    """How a model is split past one device: tp ranks share each layer, pp stages share the
+    layers. Ranks() is one device holding everything."""
+    tp: int = 1
+    pp: int = 1
+
+
+def kv_heads_per_rank(n_kv_head, tp):
+    """Tensor parallelism splits attention by heads, so each rank caches n_kv_head / tp of
+    them. A head cannot be split: with fewer key/value heads than ranks (GQA's 8 heads on 16
+    ranks) each rank holds a copy of one, and the copies cost memory (vLLM does this too)."""
+    if n_kv_head >= tp:
+        if n_kv_head % tp:
+            raise ValueError(f"{n_kv_head} key/value heads do not split evenly over {tp} ranks")
+        return n_kv_head // tp
+    if tp % n_kv_head:
+        raise ValueError(f"{tp} ranks cannot share {n_kv_head} key/value heads evenly")
+    return 1
+
+
+def rank_shape(shape, ranks):
+    """The Shape one rank of the heaviest pipeline stage sees: its layers and its heads.
+    Every formula above then gives that rank's figures unchanged."""
+    if shape.n_head % ranks.tp:
+        raise ValueError(f"{shape.name}: {shape.n_head} query heads do not split evenly over "
+                         f"{ranks.tp} ranks")
+    return dataclasses.replace(shape, n_layer=math.ceil(shape.n_layer / ranks.pp),
+                               n_head=shape.n_head // ranks.tp,
+                               n_kv_head=kv_heads_per_rank(shape.n_kv_head, ranks.tp))
+
+
+def rank_weight_bytes(shape, weights_dtype, ranks):
+    """The weights one rank holds, in the heaviest pipeline stage. Tensor parallelism splits
+    every Linear and the vocabulary's tables (embedding, output layer) over tp ranks; the
+    norms, a few KB, are copied and not counted. A stage holds its slice of the blocks, the
+    first one the embedding and the last one the output layer: an untied pair, two tables
+    of one size, puts half of the tables' bytes on an end stage; a tied one needs the table
+    at both ends."""
+    tables = weight_bytes(dataclasses.replace(shape.config, n_layer=0), weights_dtype)
+    per_block = (weight_bytes(shape.config, weights_dtype) - tables) // shape.n_layer
+    tied = getattr(shape.config, "tie_embeddings", True)  # GPT-2's config has no field: tied
+    if ranks.pp > 1 and not tied:
+        tables //= 2
+    layers = math.ceil(shape.n_layer / ranks.pp)
+    return (layers * per_block + tables) // ranks.tp
+
+
+def plan(shapes, kv_dtypes, memory, length, batch, weights_dtype, ranks=Ranks()):
     """For each shape and cache dtype: the weights, the cache of `batch` sequences of `length`
-    tokens (or the model's context if shorter), their total and whether it fits in `memory`."""
+    tokens (or the model's context if shorter), their total and whether it fits in `memory`;
+    with ranks, each of those per rank."""
     rows = []
     for s in shapes:
         fit_length = min(length, s.context_len)
-        weights = weight_bytes(s.config, weights_dtype)
+        weights = rank_weight_bytes(s, weights_dtype, ranks)
+        s = rank_shape(s, ranks)
         for kv in kv_dtypes:
             cache = windowed_cache_bytes(s, kv, fit_length, batch)
             rows.append({"model": s.name, "weights_dtype": weights_dtype, "weights_bytes": weights,
                          "kv_dtype": kv, "length": fit_length, "batch": batch, "cache_bytes": cache,
                          "total_bytes": weights + cache, "fits": weights + cache <= memory,
-                         "sequences_that_fit": sequences_that_fit(s, kv, fit_length, memory, weights_dtype)})
+                         "sequences_that_fit": sequences_that_fit(s, kv, fit_length, memory, weights)})
     return rows
 
 
@@ -152,7 +215,15 @@ def tokens_label(n):
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-def print_tables(shapes, kv_dtypes, lengths, memory, length, weights_dtype, plan_rows):
+def ranks_label(ranks):
+    """'' on one device, else what each figure is of."""
+    if ranks == Ranks():
+        return ""
+    return (f", per rank (tensor parallel {ranks.tp} x pipeline parallel {ranks.pp}: "
+            f"{ranks.tp * ranks.pp} ranks, the heaviest stage)")
+
+
+def print_tables(shapes, kv_dtypes, lengths, memory, length, weights_dtype, plan_rows, ranks=Ranks()):
     print("## Models: the terms of the formula, and the weights (int8 / int4: the Linears' codes "
           "and scales, the rest bfloat16)\n")
     print("| model | layers | heads (query / key-value) | head_dim | window | context | parameters | "
@@ -164,19 +235,20 @@ def print_tables(shapes, kv_dtypes, lengths, memory, length, weights_dtype, plan
               + " | ".join(format_bytes(weight_bytes(s.config, w)) for w in WEIGHT_FORMATS) + " |")
 
     print(f"\n## KV cache of one sequence, and what fits in {format_bytes(memory)} next to "
-          f"{weights_dtype} weights\n")
+          f"{weights_dtype} weights{ranks_label(ranks)}\n")
     print("| model | kv dtype | bytes per head (k or v) | per token | "
           + " | ".join(tokens_label(n) for n in lengths)
           + " | tokens where cache = weights | sequences that fit |")
     print("|---|---|---|---|" + "---|" * len(lengths) + "---|---|")
     for s in shapes:
         fit_length = min(length, s.context_len)
-        weights = weight_bytes(s.config, weights_dtype)
+        weights = rank_weight_bytes(s, weights_dtype, ranks)
+        s = rank_shape(s, ranks)
         for kv in kv_dtypes:
             per_token = cache_bytes(s, 1, 1, kv)
             cells = [format_bytes(windowed_cache_bytes(s, kv, n)) + ("*" if n > s.context_len else "")
                      for n in lengths]
-            fit = sequences_that_fit(s, kv, fit_length, memory, weights_dtype)
+            fit = sequences_that_fit(s, kv, fit_length, memory, weights)
             print(f"| {s.name} | {kv} | {head_bytes(s.head_dim, kv)} B | {format_bytes(per_token)} | "
                   + " | ".join(cells) + f" | {weights / per_token:,.0f} | "
                   f"{count(fit)} of {tokens_label(fit_length)} tokens |")
@@ -186,7 +258,7 @@ def print_tables(shapes, kv_dtypes, lengths, memory, length, weights_dtype, plan
 
     batch = plan_rows[0]["batch"]
     print(f"\n## The plan: {weights_dtype} weights and the KV cache of {batch} x --length {length} "
-          f"tokens (or the model's context), in {format_bytes(memory)}\n")
+          f"tokens (or the model's context), in {format_bytes(memory)}{ranks_label(ranks)}\n")
     print(f"| model | weights | kv dtype | KV cache | total | fits in {format_bytes(memory)} |")
     print("|---|---|---|---|---|---|")
     for r in plan_rows:
@@ -197,14 +269,16 @@ def print_tables(shapes, kv_dtypes, lengths, memory, length, weights_dtype, plan
               f"{format_bytes(r['total_bytes'])} | {fits} |")
 
 
-def plan_json(shapes, memory, plan_rows):
-    """--json: every shape's terms and weights per format, and the plan's rows."""
+def plan_json(shapes, memory, plan_rows, ranks=Ranks()):
+    """--json: every shape's terms and weights per format, and the plan's rows (per rank
+    with tensor or pipeline parallelism)."""
     models = [{"name": s.name, "n_layer": s.n_layer, "n_head": s.n_head, "n_kv_head": s.n_kv_head,
                "head_dim": s.head_dim, "sliding_window": s.sliding_window, "context_len": s.context_len,
                "parameters": s.params,
                "weights_bytes": {w: weight_bytes(s.config, w) for w in WEIGHT_FORMATS}}
               for s in shapes]
-    return json_text({"memory_bytes": memory, "models": models, "plan": plan_rows}, indent=1)
+    return json_text({"memory_bytes": memory, "tensor_parallel": ranks.tp,
+                      "pipeline_parallel": ranks.pp, "models": models, "plan": plan_rows}, indent=1)
 
 
 def plot(shapes, kv_dtypes, memory, path, plt):
@@ -247,6 +321,21 @@ def parse_bytes(text):
     return nbytes
 
 
+def splits(shape, ranks, parser, named_by_user):
+    """Whether the shape splits over the ranks. One that does not is left out with a line
+    saying why, or is an error when the user named it (--ckpt, --hf)."""
+    try:
+        rank_shape(shape, ranks)
+        if ranks.pp > shape.n_layer:
+            raise ValueError(f"{shape.name}: {ranks.pp} pipeline stages for {shape.n_layer} layers")
+    except ValueError as e:
+        if named_by_user:
+            parser.error(f"{e} (--tensor-parallel {ranks.tp}, --pipeline-parallel {ranks.pp})")
+        print(f"left out: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def main():
     p = ArgumentParser(description="KV cache memory per token, per sequence and per GPU, for "
                        "named model shapes and every cache dtype (see the module docstring).")
@@ -264,6 +353,11 @@ def main():
     p.add_argument("--kv-dtypes", default="float32,bfloat16,int8,int4",
                    help="cache dtypes, comma-separated, from " + ", ".join(KV_DTYPES)
                    + " (default: float32,bfloat16,int8,int4; float16 takes bfloat16's bytes)")
+    p.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="TP",
+                   help="ranks that split each layer's heads: the cache and weights per rank "
+                   "(docs/parallelism.md) (default: 1)")
+    p.add_argument("--pipeline-parallel", type=positive_int, default=1, metavar="PP",
+                   help="stages that split the layers: per rank, the heaviest stage (default: 1)")
     p.add_argument("--plot", metavar="PATH", help="write cache bytes vs length as a PNG (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     args = p.parse_args()
@@ -281,13 +375,15 @@ def main():
     if args.plot is not None:  # checked before any work: '' too, a file not ours, a folder
         check_output_path(args.plot, "png")
         plt = import_pyplot()
-    shapes = [checkpoint_shape(args)] + NAMED
-    plan_rows = plan(shapes, kv_dtypes, memory, args.length, args.batch, args.weights_dtype)
+    ranks = Ranks(args.tensor_parallel, args.pipeline_parallel)
+    own = checkpoint_shape(args)
+    shapes = [s for s in [own] + NAMED if splits(s, ranks, p, s is own and (args.ckpt or args.hf))]
+    plan_rows = plan(shapes, kv_dtypes, memory, args.length, args.batch, args.weights_dtype, ranks)
     if args.json:
-        print(plan_json(shapes, memory, plan_rows))
+        print(plan_json(shapes, memory, plan_rows, ranks))
     else:
         print_tables(shapes, kv_dtypes, [1024, 4096, 32768, 131072], memory, args.length,
-                     args.weights_dtype, plan_rows)
+                     args.weights_dtype, plan_rows, ranks)
     if plt:
         plot(shapes, kv_dtypes, memory, args.plot, plt)
 

@@ -12,6 +12,7 @@ Not part of the test suite: vLLM is a large install. In a separate virtual envir
     pip uninstall -y torchvision torchaudio torchcodec
     python -m benchmarks.check_vllm                      # the bundled model, two prompts
     python -m benchmarks.check_vllm --throughput 64      # then vLLM's output tokens/s, 64 at once
+    python -m benchmarks.check_vllm --tensor-parallel 2  # two ranks (docs/parallelism.md)
 
 Offline, vLLM needs the loopback interface up and VLLM_HOST_IP=127.0.0.1 (set here).
 Then vLLM's OpenAI server answers the same requests as serve.py (docs/interop.md, "vLLM"; "Past one
@@ -60,11 +61,29 @@ def import_vllm():
     return vllm
 
 
-def load_vllm(vllm, hf_dir):
-    """vLLM offline (LLM), eager mode, fp32."""
+def load_vllm(vllm, hf_dir, tensor_parallel=1):
+    """vLLM offline (LLM), eager mode, fp32; with tensor_parallel > 1, that many worker
+    processes, each holding its share of every layer's heads (docs/parallelism.md)."""
     # on the CPU backend gpu_memory_utilization is the share of RAM vLLM reserves (for
-    # its KV cache); its default, 0.92, fails wherever anything else holds memory
-    return vllm.LLM(model=str(hf_dir), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3)
+    # its KV cache); its default, 0.92, fails wherever anything else holds memory, and
+    # every worker reserves its share: split between them
+    if tensor_parallel > 1:
+        bind_workers(tensor_parallel)
+    return vllm.LLM(model=str(hf_dir), dtype="float32", enforce_eager=True,
+                    gpu_memory_utilization=0.3 / tensor_parallel, tensor_parallel_size=tensor_parallel)
+
+
+def bind_workers(ranks):
+    """vLLM's CPU workers each bind their threads to a NUMA node of their own, and stop at
+    start-up where the machine has fewer nodes than workers (a VM has one). Given by hand,
+    VLLM_CPU_OMP_THREADS_BIND lists each worker's cores: "0|1" for two workers of one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise UserError(f"--tensor-parallel {ranks}: this machine lets us use {len(cores)} cores; "
+                        "vLLM's CPU workers need one each at least")
+    share = len(cores) // ranks
+    groups = [cores[r * share:(r + 1) * share] for r in range(ranks)]
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, g)) for g in groups))
 
 
 def theirs(vllm, llm, prompts, n):
@@ -99,6 +118,8 @@ def main():
     p.add_argument("--throughput", type=positive_int, metavar="N", help="then time N requests of "
                    "16 random prompt tokens and 128 new tokens submitted at once (vLLM's output "
                    "tokens/s: the anchor for python -m benchmarks.serving on this machine)")
+    p.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",
+                   help="vLLM's tensor_parallel_size: N processes share each layer (default: 1)")
     args = p.parse_args()
     vllm = import_vllm()  # before any work: most environments do not have it
     out = Path(args.out or tempfile.mkdtemp(prefix="hf-export-"))
@@ -109,7 +130,7 @@ def main():
     except TextError as e:
         raise UserError(f"--prompt: {e}") from None
     expected = ours(model, tokenizer, prompts, args.tokens)
-    llm = load_vllm(vllm, out)
+    llm = load_vllm(vllm, out, args.tensor_parallel)
     got = theirs(vllm, llm, prompts, args.tokens)
     same = 0
     for text, a, b in zip(args.prompt or PROMPTS, expected, got):
