@@ -98,15 +98,14 @@ def bad_word_ids(words, tokenizer):
 
 class RowProcessing:
     """One row's processors and what they read: its prompt and output (token ids), and a
-    grammar matcher when it has a constraint. stop_ids: more tokens that end this row's
-    text (a chat template's end of turn), held back by min_tokens and allowed by a grammar
-    where the end of text is."""
+    grammar matcher when it has a constraint (which allows every one of end_ids where it
+    allows the end of text)."""
 
-    def __init__(self, processors, prompt, stop_ids=()):
+    def __init__(self, processors, prompt):
         self.processors, self.prompt, self.output = processors, list(prompt), []
-        self.end_ids = list(dict.fromkeys((*processors.end_ids, *stop_ids)))
+        self.end_ids = list(processors.end_ids)
         constraint = processors.constraint
-        self.matcher = constraint.matcher(stop_ids) if constraint is not None else None
+        self.matcher = constraint.matcher(processors.end_ids) if constraint is not None else None
 
     def accept(self, tokens):
         """The row took tokens (a list of ids)."""
