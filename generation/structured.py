@@ -186,10 +186,14 @@ class Matcher:
     def __init__(self, matcher, vocab_size, end_ids):
         self.matcher, self.vocab_size, self.end_ids = matcher, vocab_size, end_ids
         self.words = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
+        self.taken, self.ended_at = 0, None  # tokens taken; how many when the text ended
 
     def allowed(self):
-        """(V,) bool: the tokens that keep the text valid. All False once the matcher is in
-        error (a step past the work bound): the row can take no token and ends."""
+        """(V,) bool: the tokens that keep the text valid. All False once the text has
+        ended (an end-of-text token taken) or the matcher is in error (a step past the work
+        bound): the row can take no token and ends."""
+        if self.ended_at is not None:
+            return torch.zeros(self.vocab_size, dtype=torch.bool)
         self.matcher.unsafe_compute_mask_ptr(self.words.data_ptr(), self.words.numel() * 4)
         if self.matcher.is_error():
             return torch.zeros(self.vocab_size, dtype=torch.bool)
@@ -201,10 +205,20 @@ class Matcher:
     def accept(self, tokens):
         """The row took tokens (a list); an end-of-text id is the grammar's end."""
         for token in tokens:
-            self.matcher.consume_token(self.end_ids[0] if token in self.end_ids else token)
+            if self.ended_at is not None:
+                return
+            if token in self.end_ids:
+                self.ended_at = self.taken + 1
+                token = self.end_ids[0]
+            self.matcher.consume_token(token)
+            self.taken += 1
 
     def rollback(self, n):
+        """Forget the last n tokens taken."""
         self.matcher.rollback(n)
+        self.taken -= n
+        if self.ended_at is not None and self.taken < self.ended_at:
+            self.ended_at = None
 
     def allowed_along(self, tokens):
         """(len(tokens) + 1, V) bool: the allowed tokens now and after each of tokens in
