@@ -39,7 +39,7 @@ class SamplingParams:
     presence_penalty: float = 0.0     # OpenAI's, additive, over output tokens
     frequency_penalty: float = 0.0
     min_p: float = 0.0
-    logit_bias: tuple = ()            # ((token_id, bias), ...), bias in [-100, 100]
+    logit_bias: tuple = ()            # ((token_id, bias), ...) (or a dict), int ids, bias in [-100, 100]
     min_tokens: int = 0               # end-of-text and stop tokens banned until this many
     bad_words: tuple = ()             # strings; their tokens as written and after a space
     allowed_token_ids: tuple = None   # only these may be drawn
@@ -67,8 +67,9 @@ class SamplingParams:
         self.processor_settings(()).check(2 ** 62)  # ranges now; ids against the vocabulary later
 
     def processor_settings(self, bad_words, constraint=None, end_ids=()):
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         return Processors(self.repetition_penalty, self.presence_penalty, self.frequency_penalty,
-                          tuple(self.logit_bias), self.min_tokens, bad_words,
+                          tuple(bias), self.min_tokens, bad_words,
                           None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
                           end_ids, constraint)
 
