@@ -41,8 +41,8 @@ from plumbing.text_stream import eos_token_ids
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 100_000  # a schema, regex or grammar past this is refused before compiling
 # Work bounds, in llguidance's own units of effort rather than seconds, so that a hostile
-# grammar fails the same way on every machine: building the lexer (~50k units a ms: ~40 ms
-# here), the grammar's size, and one step's mask (~14k units a ms: ~15 ms).
+# grammar fails the same way on every machine: building the lexer (at llguidance's stated
+# ~50k units a ms, ~40 ms), the grammar's size, and one step's mask (~14k a ms: ~15 ms).
 LIMITS = dict(initial_lexer_fuel=2_000_000, max_grammar_size=200_000, step_lexer_fuel=200_000)
 COMPILE_SECONDS = 2.0  # and a wall-clock bound on the whole compilation, checked after it
 
@@ -87,7 +87,7 @@ def engine_tokenizer(tokenizer):
 def grammar_text(kind, spec):
     """llguidance's grammar for a (kind, spec) pair; ValueError for a spec of the wrong type."""
     llg = llguidance()
-    Matcher = llg.LLMatcher
+    LLMatcher = llg.LLMatcher
     if kind == "json_object":
         spec = {"type": "object"}
     if kind in ("json", "json_object"):
@@ -100,25 +100,25 @@ def grammar_text(kind, spec):
             raise ValueError(f"a JSON schema is an object, got {type(spec).__name__}")
         check_size(json.dumps(spec), "the JSON schema")
         # one separator, no optional whitespace: a sampled text cannot wander in blank space
-        return Matcher.grammar_from_json_schema(spec, defaults={"whitespace_flexible": False})
+        return LLMatcher.grammar_from_json_schema(spec, defaults={"whitespace_flexible": False})
     if kind == "choice":
         if not isinstance(spec, (list, tuple)) or not spec:
             raise ValueError("choice needs a non-empty list of strings")
         if not all(isinstance(c, str) and c for c in spec):
             raise ValueError("every choice must be a non-empty string")
         check_size("".join(spec), "the choices")
-        return Matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"a {kind} must be a non-empty string")
     check_size(spec, f"the {kind}")
     if kind == "regex":
-        return Matcher.grammar_from_regex(spec)
+        return LLMatcher.grammar_from_regex(spec)
     if kind == "grammar":
         try:
             lark = llg.gbnf_to_lark.any_to_lark(spec)
         except Exception as e:  # the converter's own errors, one line of them
             raise ValueError(f"the grammar is neither Lark nor GBNF: {one_line(e)}") from None
-        return Matcher.grammar_from_lark(lark)
+        return LLMatcher.grammar_from_lark(lark)
     raise ValueError(f"unknown constraint kind {kind!r}; one of {', '.join(KINDS)}")
 
 
