@@ -145,21 +145,23 @@ class RowProcessing:
         """(n, V) bool: what each position may not take."""
         p = self.processors
         banned = torch.zeros(n, V, dtype=torch.bool)
-        if p.allowed_token_ids is not None:
-            banned[:] = True
-            banned[:, list(p.allowed_token_ids)] = False
-        for i in range(n):
-            text = self.prompt + self.output + ahead[:i]
-            if len(self.output) + i < p.min_tokens:
-                banned[i, self.end_ids] = True
-            for word in p.bad_words:  # its last token, where the text ends with the rest
-                *start, last = word
-                if not start or text[len(text) - len(start):] == start:
-                    banned[i, last] = True
         if self.matcher is not None:
             allowed = self.matcher.allowed_along(ahead)                    # (n, V_tokenizer)
-            banned[:, :allowed.size(1)] |= ~allowed
+            banned[:, :allowed.size(1)] = ~allowed
             banned[:, allowed.size(1):] = True  # ids past the tokenizer's: no text at all
+        if p.allowed_token_ids is not None:
+            outside = torch.ones(V, dtype=torch.bool)
+            outside[list(p.allowed_token_ids)] = False
+            banned |= outside
+        if p.min_tokens or p.bad_words:
+            for i in range(n):
+                text = self.prompt + self.output + ahead[:i]
+                if len(self.output) + i < p.min_tokens:
+                    banned[i, self.end_ids] = True
+                for word in p.bad_words:  # its last token, where the text ends with the rest
+                    *start, last = word
+                    if not start or text[len(text) - len(start):] == start:
+                        banned[i, last] = True
         return banned.to(device)
 
 
