@@ -142,7 +142,7 @@ class NaiveGeneration:
 
     @torch.inference_mode()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-               generator=None, vocab_limit=None, stats=None):
+               generator=None, vocab_limit=None, stats=None, min_p=None):
         """Yield the next token of every row, (B, 1), one step at a time.
 
         The naive loop: each step feeds the whole context (cropped to context_len) through
@@ -157,7 +157,7 @@ class NaiveGeneration:
             logits, _ = self(idx_cond, last_only=True)
             if stats is not None:
                 stats.count_pass(idx_cond.size(1))
-            next_token = sample(logits[:, -1, :vocab_limit], temperature, top_k, top_p, generator)
+            next_token = sample(logits[:, -1, :vocab_limit], temperature, top_k, top_p, generator, min_p)
             idx = torch.cat((idx, next_token), dim=1)
             yield next_token
 

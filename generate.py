@@ -14,6 +14,9 @@ through the KV cache, sample, stream the text, stop.
         --max-new-tokens 1000 --context-policy sinks    # past the context without recomputing
     python generate.py --prompt "ROMEO:" --temperature 0 --speculate 4 --prompt-lookup 3 --stats
     python generate.py --prompt "ROMEO:" --speculate 3 --draft checkpoints/shakespeare-draft/ckpt.pt
+    python generate.py --prompt "ROMEO:" --repetition-penalty 1.3 --min-p 0.05 --bad-words thou
+    python generate.py --prompt "Who? " --choice ROMEO --choice JULIET     # structured outputs:
+    python generate.py --json-schema person.json --regex ... --grammar FILE  # see --help
 
 This file is the command: it drives the generation loop (generation/loop.py: prefill,
 decode one token at a time, sample), turns its tokens into text and decides when each row
@@ -49,6 +52,8 @@ from plumbing.cli import (ArgumentParser, add_compile_cache_arg, add_model_args,
                           proposer_from_args, use_compile_cache_arg)
 from plumbing.memory import check_fits_in_memory, generation_memory  # noqa: E402
 from plumbing.outputs import json_text  # noqa: E402
+from plumbing.processor_args import (FLAGS as PROCESSOR_FLAGS, add_processor_args,  # noqa: E402
+                                     processor_flags_given, processors_from_args)
 from plumbing.scoring import Progress, score  # noqa: E402
 from plumbing.stats_report import print_stats, stats_report  # noqa: E402
 from plumbing.text_input import encode_user_text, parse_prompts_file, read_text  # noqa: E402
@@ -74,6 +79,8 @@ def parse_args():
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None,
                    help="sample from the smallest set of tokens whose probability reaches p")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="sample from the tokens at least min-p times as likely as the likeliest")
     p.add_argument("--num-samples", type=positive_int, default=1,
                    help="samples of each prompt, prefilled once and decoded as one batch")
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
@@ -96,15 +103,16 @@ def parse_args():
     p.add_argument("--sinks", type=int, default=DEFAULT_SINKS,
                    help=f"first tokens that --context-policy sinks keeps (default: {DEFAULT_SINKS})")
     add_speculation_args(p)
+    add_processor_args(p)
     p.add_argument("--no-stream", action="store_true", help="print once at the end")
     p.add_argument("--stats", action="store_true", help="timings and cache size, on stderr")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with the texts and the stats")
     args = p.parse_args()
     try:
-        check_sampling_args(args.temperature, args.top_k, args.top_p)
+        check_sampling_args(args.temperature, args.top_k, args.top_p, args.min_p)
     except ValueError as e:
-        p.error(str(e).replace("top_k", "--top-k").replace("top_p", "--top-p")
+        p.error(str(e).replace("top_k", "--top-k").replace("top_p", "--top-p").replace("min_p", "--min-p")
                 .replace("temperature", "--temperature", 1))
     if any(s == "" for s in args.stop):
         p.error("--stop: the stop string must not be empty")
@@ -128,6 +136,9 @@ def parse_args():
         p.error(f"--sinks: must be >= 0, got {args.sinks}")
     if args.sinks != DEFAULT_SINKS and args.context_policy != "sinks":
         p.error("--sinks applies to --context-policy sinks; add it, or drop --sinks")
+    if args.no_cache and processor_flags_given(p, args):
+        p.error(f"{processor_flags_given(p, args)[0]}: logits processors run in the cached loop; "
+                "drop --no-cache")
     if args.score is not None:
         refuse_generation_flags(p, args)
     check_speculation_args(p, args)
@@ -141,7 +152,7 @@ def parse_args():
 # what only generating uses: with --score each is refused rather than silently ignored
 GENERATION_FLAGS = ["--max-new-tokens", "--temperature", "--top-k", "--top-p", "--num-samples",
                     "--stop", "--ignore-eot", "--compile", "--speculate", "--prompt-lookup", "--draft",
-                    "--no-stream", "--stats", "--context-policy", "--sinks"]
+                    "--no-stream", "--stats", "--context-policy", "--sinks", "--min-p", *PROCESSOR_FLAGS]
 
 
 def refuse_generation_flags(p, args):
@@ -214,7 +225,7 @@ def encode_prompt(text, tokenizer, context_len):
     return ids
 
 
-def generate(args, prompts, model, tokenizer, device, proposer):
+def generate(args, prompts, model, tokenizer, device, proposer, processors=None):
     # checked before anything per row exists: 10**12 rows must not start to be listed
     n_rows = len(prompts) * args.num_samples
     kv_dtype = args.kv_dtype or dtype_name(model.lm_head.weight.dtype)
@@ -230,7 +241,7 @@ def generate(args, prompts, model, tokenizer, device, proposer):
     printer = Printer(samples, [prompts[i] for i in rows], row_headers(len(prompts), args.num_samples))
     streaming = not (args.no_stream or args.json)
     loop_args = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                     generator=torch.Generator(device=device).manual_seed(args.seed),
+                     min_p=args.min_p, generator=torch.Generator(device=device).manual_seed(args.seed),
                      stats=GenerationStats(), vocab_limit=tokenizer.n_vocab)
 
     t_start = time.perf_counter()
@@ -244,7 +255,8 @@ def generate(args, prompts, model, tokenizer, device, proposer):
         generation = Generation(model, ids, args.max_new_tokens, num_samples=args.num_samples,
                                 compile=args.compile, cache_kind=args.kv_dtype,
                                 context_policy=args.context_policy, sinks=args.sinks,
-                                speculate=args.speculate or 0, proposer=proposer, **loop_args)
+                                speculate=args.speculate or 0, proposer=proposer,
+                                processors=processors, **loop_args)
         steps_out = iter(generation)
     steps, decoded, t_first = 0, 0, None
     for step_rows, step_tokens in steps_out:
@@ -305,7 +317,8 @@ def main():
     except ValueError as e:
         raise UserError(f"--context-policy {args.context_policy}: {e}") from None
     if args.score is None:
-        return generate(args, prompts, model, tokenizer, device, proposer)
+        processors = processors_from_args(args, tokenizer)
+        return generate(args, prompts, model, tokenizer, device, proposer, processors)
     # how far it is, on a terminal (not with --json, nor into a file or a pipe)
     progress = Progress(f"--score {args.score}", sys.stderr
                         if sys.stderr.isatty() and not args.json else None)

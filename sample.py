@@ -1,11 +1,20 @@
 """
-Turning logits into tokens: temperature, top-k, top-p (nucleus) and greedy.
+Turning logits into tokens: temperature, top-k, top-p (nucleus), min-p and greedy.
 
     P(x_i) = exp(z_i / T) / sum_j exp(z_j / T)
 
 Temperature T < 1 sharpens the distribution, T > 1 flattens it, T = 0 is greedy argmax.
 Top-k keeps the k most likely tokens; top-p keeps the smallest set of most likely tokens
-whose probabilities add up to at least p, so the pool shrinks when the model is confident.
+whose probabilities add up to at least p, so the pool shrinks when the model is confident;
+min-p keeps the tokens at least min_p times as likely as the likeliest.
+
+Before temperature, logits processors may change the logits z of a row, in this order
+(vLLM's and llama.cpp's): bans (tokens that may not come: ban), logit_bias, the
+repetition penalty, then the presence and frequency penalties. Each is one function below,
+its formula in its docstring; they read what the row has said so far, which the caller
+keeps (generation/logits_processors.py). The order of the whole step:
+
+    bans -> bias -> repetition -> presence/frequency -> temperature -> top-k -> top-p -> min-p
 """
 
 import torch
@@ -14,8 +23,10 @@ import torch.nn.functional as F
 FP32 = torch.finfo(torch.float32)
 
 
-def check_sampling_args(temperature=1.0, top_k=None, top_p=None):
+def check_sampling_args(temperature=1.0, top_k=None, top_p=None, min_p=None):
     """Raise ValueError for settings that have no meaning, before any work is done."""
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
     if not temperature >= 0:  # also catches NaN
         raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
     if top_k is not None and top_k < 1:
@@ -70,20 +81,28 @@ def top_p_filter(probs, p):
     return probs.masked_fill(drop, 0.0)
 
 
-def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+def min_p_filter(probs, min_p):
+    """Zero every token less likely than min_p times the row's likeliest (Nguyen et al.
+    2024, "min-p sampling"): keep x_i when P(x_i) >= min_p * max_j P(x_j). The bar moves
+    with the model's confidence, as top-p's does, but never cuts the likeliest token and
+    needs no sort. A ratio of probabilities, so the same before or after top-p's cut."""
+    return probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+
+
+def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None, min_p=None):
     """Pick one token per row of logits (B, V); returns a LongTensor (B, 1).
 
     Never modifies `logits`. `generator`, a torch.Generator, makes draws reproducible."""
-    check_sampling_args(temperature, top_k, top_p)
+    check_sampling_args(temperature, top_k, top_p, min_p)
     if temperature == 0:
         # greedy: no softmax, no random draw. NaN would win argmax, so it is excluded first.
         return without_nan(logits).argmax(dim=-1, keepdim=True)
-    probs = probabilities(logits, temperature, top_k, top_p)
+    probs = probabilities(logits, temperature, top_k, top_p, min_p)
     # multinomial does not need the row to sum to 1, so no renormalisation after top-p
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
-def probabilities(logits, temperature=1.0, top_k=None, top_p=None):
+def probabilities(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
     """The distribution sample() draws from, for temperature > 0: fp32 weights (..., V), in
     proportion to each token's probability (after top-p they sum to less than 1: divide by
     the sum for probabilities). Speculative decoding (generation/speculative.py) needs it
@@ -99,10 +118,12 @@ def probabilities(logits, temperature=1.0, top_k=None, top_p=None):
     probs = F.softmax(logits, dim=-1)
     if top_p is not None and top_p < 1:
         probs = top_p_filter(probs, top_p)
+    if min_p:
+        probs = min_p_filter(probs, min_p)
     return probs
 
 
-def sample_with_noise(logits, noise, temperature=1.0, top_k=None, top_p=None):
+def sample_with_noise(logits, noise, temperature=1.0, top_k=None, top_p=None, min_p=None):
     """sample()'s draw without torch.multinomial, for a compiled graph (only tensor
     operations, no branch on values): noise (B, V) holds independent Exp(1) numbers E_i,
     and the token is the argmax of p_i / E_i. The same distribution: E_i / p_i is
@@ -111,7 +132,7 @@ def sample_with_noise(logits, noise, temperature=1.0, top_k=None, top_p=None):
     (noise.exponential_(generator=...)), so a seed still fixes the text. Returns (B, 1)."""
     if temperature == 0:
         return without_nan(logits).argmax(dim=-1, keepdim=True)
-    return (probabilities(logits, temperature, top_k, top_p) / noise).argmax(dim=-1, keepdim=True)
+    return (probabilities(logits, temperature, top_k, top_p, min_p) / noise).argmax(dim=-1, keepdim=True)
 
 
 def sample_rows_with_noise(logits, gumbel, temperature):
@@ -131,3 +152,46 @@ def sample_rows_with_noise(logits, gumbel, temperature):
     # its extreme (one that rounded to 0 in float32 is greedy here)
     t = temperature.clamp(FP32.tiny, FP32.max)[:, None]                 # (B, 1)
     return torch.where(temperature[:, None] > 0, x / t + gumbel, x).argmax(dim=-1)
+
+
+# ---------------------------------------------------------------------------- logits processors
+# Each takes logits (B, V) and per-row settings, and returns new logits (the input is never
+# changed). A row that does not ask for a processor is given its neutral value (penalty 1,
+# bias 0, nothing banned), which leaves its logits exactly as they were.
+
+def ban(logits, banned):
+    """Tokens a row may not take: banned (B, V) bool gets -inf, so no temperature or filter
+    can bring it back. What bans: tokens outside allowed_token_ids, the last token of a bad
+    word whose other tokens the text ends with, the end of text before min_tokens, and a
+    grammar's mask (generation/structured.py: every token that would break it)."""
+    return logits.masked_fill(banned, float("-inf"))
+
+
+def add_bias(logits, bias):
+    """OpenAI's logit_bias: z_i' = z_i + b_i, bias (B, V) (b_i in [-100, 100]; -100 all but
+    bans a token, +100 all but forces it)."""
+    return logits + bias
+
+
+def repetition_penalty(logits, seen, penalty):
+    """The repetition penalty of CTRL (Keskar et al. 2019), as transformers and llama.cpp
+    apply it: every token already in the text (prompt or output: seen (B, V) bool) is made
+    less likely by penalty (B, 1), r > 1:
+
+        z_i' = z_i / r   if z_i > 0        z_i' = z_i * r   if z_i <= 0      (i seen)
+
+    Dividing a negative logit would raise it, hence the two cases. Multiplicative: a token
+    is penalised the same once seen, however often."""
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def presence_frequency_penalty(logits, counts, presence, frequency):
+    """OpenAI's additive penalties, over the output only: counts (B, V), how often each
+    token has been generated; presence and frequency (B, 1):
+
+        z_i' = z_i - c_i * frequency - [c_i > 0] * presence
+
+    Frequency grows with every repeat; presence is paid once. Negative values encourage
+    repeats."""
+    return logits - counts * frequency - (counts > 0) * presence

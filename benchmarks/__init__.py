@@ -17,5 +17,8 @@ them in turn; report.py prints them):
                        (--context-policies)
     speculative.py     speculative decoding: prompt lookup and a draft model, beside
                        transformers' and llama.cpp's own
+    structured.py      structured outputs: the mask's cost per step against a decode step
+                       (bundled, Llama-3.2-1B's vocabulary), and ~200 random constraints
+                       sampled: every ended output valid (its own command, not a section)
     report.py          the tables, and the plot
 """

@@ -242,7 +242,7 @@ class CompiledStep:
 def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None, greedy_too=False,
                 max_columns=None):
     """The CompiledStep for this cache's shapes, tokens_per_step tokens per row and these
-    sampling settings (sample.py's temperature, top_k, top_p and generator; None: the step
+    sampling settings (sample.py's temperature, top_k, top_p, min_p and generator; None: the step
     returns logits, and with greedy_too each row's greedy token among the first vocab_limit
     after them), and the seconds building it took, which the loop reports apart from the
     decode speed. The model keeps the last one it built, reused while shapes, settings
@@ -260,7 +260,7 @@ def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None
     # Zero what has not been written, once per generation.
     cache.kv[..., cache.length:, :].zero_()
     generator = sampling and sampling["generator"]
-    settings = sampling and {k: sampling[k] for k in ("temperature", "top_k", "top_p")}
+    settings = sampling and {k: sampling.get(k) for k in ("temperature", "top_k", "top_p", "min_p")}
     unpack_linears(model)  # the graph reads the dense weights; inductor lays them out itself
     # the library holds the weights as they were: a weight written in place since (its
     # version counter moved) or replaced (another tensor) means a new build

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from generation.logits_processors import Processors, RowProcessing, RowsProcessing
 from generation.rows import Rows
 from generation.steps import CompiledPlainStep, PlainStep, SpeculativeStep
 from kv_quant import FLOAT_DTYPES
@@ -88,8 +89,11 @@ class Generation:
     (prompt 0's samples, then prompt 1's...).
 
     prompts: a LongTensor (B, T), or a list of token-id lists of any lengths (longer than
-    the context: the last context_len tokens are kept). Sampling: temperature, top_k, top_p
-    and a torch.Generator, as sample.py takes them; vocab_limit, the tokenizer's size,
+    the context: the last context_len tokens are kept). Sampling: temperature, top_k, top_p,
+    min_p and a torch.Generator, as sample.py takes them; processors: logits processors
+    (generation/logits_processors.py's Processors: penalties, bias, bans, a grammar), one
+    for every row or a list of one per row (None: none), the rows with none drawn as
+    without; vocab_limit, the tokenizer's size,
     keeps padding rows of a larger embedding table from being sampled. cache_kind: None
     (the preallocated cache in the model's dtype), "cat", or a kv_quant.py dtype name.
     compile: decode through generation/compiled_step.py's static-shape step. stats: a
@@ -100,10 +104,10 @@ class Generation:
     the same in greedy decoding, and drawn from the same distribution when sampling."""
 
     def __init__(self, model, prompts, max_new_tokens, *, temperature=1.0, top_k=None,
-                 top_p=None, generator=None, num_samples=1, vocab_limit=None, cache_kind=None,
-                 compile=False, stats=None, context_policy="reprefill", sinks=DEFAULT_SINKS,
-                 speculate=0, proposer=None):
-        check_sampling_args(temperature, top_k, top_p)
+                 top_p=None, min_p=None, generator=None, num_samples=1, vocab_limit=None,
+                 cache_kind=None, compile=False, stats=None, context_policy="reprefill",
+                 sinks=DEFAULT_SINKS, speculate=0, proposer=None, processors=None):
+        check_sampling_args(temperature, top_k, top_p, min_p)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         check_context_policy(model, context_policy, sinks, cache_kind)
@@ -114,7 +118,8 @@ class Generation:
                              f"context of {model.config.context_len}")
         self.context_policy, self.sinks = context_policy, sinks
         self.model, self.prompts, self.max_new_tokens = model, prompts, max_new_tokens
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                             generator=generator)
         self.num_samples, self.vocab_limit = num_samples, vocab_limit
         self.cache_kind, self.compile = cache_kind, compile
         self.speculate, self.proposer = speculate, proposer
@@ -123,6 +128,9 @@ class Generation:
         self.context_len = model.config.context_len
         self.num_rows = (prompts.size(0) if torch.is_tensor(prompts) else len(prompts)) * num_samples
         self.given = [0] * self.num_rows  # tokens handed out, per row
+        self.processors = row_processors(processors, self.num_rows,
+                                         vocab_limit or model.config.vocab_size)
+        self.processing = None  # RowsProcessing once the prefill has run, if a row has any
 
     def finish(self, row):
         """Row `row` is done: it gets no more tokens, and leaves the batch before the next
@@ -137,21 +145,30 @@ class Generation:
         if not self.max_new_tokens:  # nothing to generate: no prefill either
             return
         # 1. prefill: the prompts in one pass, and each row's first token
-        tokens = self.choose(self.prefill())[:, None]                        # (R, 1)
+        logits = self.prefill()
+        if self.processors is not None:
+            self.processing = RowsProcessing([
+                p and RowProcessing(p, prompt) for p, prompt in zip(self.processors, self.row_prompts())])
+        tokens = self.choose(logits)[:, None]                                # (R, 1)
         counts = torch.ones_like(tokens[:, 0])  # row b got tokens[b, :counts[b]] this step
-        step = self.new_step(tokens)
+        step = self.new_step(tokens.clamp(min=0))
         try:
             while True:
+                if self.processing is not None:
+                    self.processing.accept(tokens, counts)
                 yield from self.hand_out(tokens, counts)
                 # 2. the rows that finished leave (with a compiled step they stay, unseen)
                 staying = [i for i, row in enumerate(self.rows.numbers) if row not in self.finished]
                 if not staying:
                     return  # the last token needs no forward pass after it
-                newest = tokens.gather(1, (counts - 1)[:, None])                # (R, 1)
+                # (a row that could take no token, -1, has finished: 0 is fed in its place)
+                newest = tokens.gather(1, (counts - 1)[:, None]).clamp(min=0)   # (R, 1)
                 if len(staying) < len(self.rows.numbers) and not step.keeps_every_row:
                     index = torch.tensor(staying, device=newest.device)
                     self.rows.select_rows(index)
                     step.select_rows(index)
+                    if self.processing is not None:
+                        self.processing.select_rows(index)
                     newest = newest[index]
                 # 3. past the context: make room for one more column
                 if self.rows.length == self.context_len:
@@ -163,17 +180,23 @@ class Generation:
             self.stats.cache_positions = self.rows.length
 
     def choose(self, logits):
-        """Each row's next token (R,) from its logits (R, V): sample.py's choice. (A caller
-        that scores a given text through the loop chooses the text's own next tokens:
-        benchmarks/context_policy.py.)"""
-        return sample(logits[:, :self.vocab_limit], **self.sampling)[:, 0]
+        """Each row's next token (R,) from its logits (R, V): sample.py's choice, after the
+        rows' logits processors; -1 for a row whose processors leave it no token (it ends).
+        (A caller that scores a given text through the loop chooses the text's own next
+        tokens: benchmarks/context_policy.py.)"""
+        logits = logits[:, :self.vocab_limit]
+        if self.processing is None:
+            return sample(logits, **self.sampling)[:, 0]
+        logits, dead = self.processing(logits)
+        return sample(logits, **self.sampling)[:, 0].masked_fill(dead == 0, -1)
 
     def new_step(self, first):
         """The decode step of this generation (generation/steps.py), chosen once. first:
-        each row's first token (R, 1), which a proposer starts from."""
+        each row's first token (R, 1), which a proposer starts from. With processors the
+        compiled step hands back logits, and the processed rows are drawn from them here."""
         if self.proposer:
             return SpeculativeStep(self, first)
-        return CompiledPlainStep(self) if self.compile else PlainStep(self)
+        return CompiledPlainStep(self, draws=self.processing is None) if self.compile else PlainStep(self)
 
     def hand_out(self, tokens, counts):
         """Yield the step's tokens one position at a time: (rows, tokens) of the rows that
@@ -182,17 +205,24 @@ class Generation:
         numbers = self.rows.numbers
         # one token per row (plain decoding): no need to wait for counts to reach the CPU
         counts = counts.tolist() if tokens.size(1) > 1 else [1] * len(numbers)
+        ending = []  # rows given -1 could take nothing there: they end after what came before
+        if self.processing is not None:
+            for i, row in enumerate(tokens.tolist()):
+                if -1 in row[:counts[i]]:
+                    counts[i] = row.index(-1)
+                    ending.append(numbers[i])
         for position in range(tokens.size(1)):
             keep = [i for i, row in enumerate(numbers)
                     if row not in self.finished and counts[i] > position]
             if not keep:
-                return
+                break
             rows = [numbers[i] for i in keep]
             yield rows, (tokens[:, position] if len(keep) == len(numbers) else tokens[keep, position])
             for row in rows:
                 self.given[row] += 1
                 if self.given[row] == self.max_new_tokens:
                     self.finished.add(row)
+        self.finished.update(ending)
 
     def remaining(self):
         """The tokens each row of the batch still needs: 0 for one that has finished."""
@@ -297,6 +327,22 @@ class Generation:
         self.stats.evictions += 1
 
 
+def row_processors(processors, num_rows, vocab_size):
+    """Generation's processors as one per row (None where a row has none), checked; None
+    when no row has any."""
+    if processors is None:
+        return None
+    rows = [processors] * num_rows if isinstance(processors, Processors) else list(processors)
+    if len(rows) != num_rows:
+        raise ValueError(f"processors: {len(rows)} given for {num_rows} rows (one per row, "
+                         "prompt-major, or one for all)")
+    for p in rows:
+        if p is not None:
+            p.check(vocab_size)
+    rows = [p if p is not None and p.active else None for p in rows]
+    return rows if any(rows) else None
+
+
 def check_context_policy(model, policy, sinks, cache_kind):
     """ValueError (one line) for a policy this model or cache cannot take."""
     if policy not in CONTEXT_POLICIES:
@@ -316,7 +362,8 @@ def check_context_policy(model, policy, sinks, cache_kind):
 
 def generate_tokens(model, prompts, max_new_tokens, **options):
     """The new tokens of every row, (R, max_new_tokens): Generation run to the end, no row
-    finishing early (end of text is a token like any other here). options: Generation's."""
+    finishing early (end of text is a token like any other here) but one whose processors
+    leave it no token (-1 after its last). options: Generation's."""
     generation = Generation(model, prompts, max_new_tokens, **options)
     steps = list(generation)  # (rows, tokens) pairs: with speculation, rows move at their own pace
     # where each token goes, counted in Python and written once at the end: a step then
@@ -329,7 +376,7 @@ def generate_tokens(model, prompts, max_new_tokens, **options):
             columns.append(given[row])
             given[row] += 1
     device = model.lm_head.weight.device
-    out = torch.empty(generation.num_rows, max_new_tokens, dtype=torch.long, device=device)
+    out = torch.full((generation.num_rows, max_new_tokens), -1, dtype=torch.long, device=device)
     if steps:
         out[rows, columns] = torch.cat([tokens for _, tokens in steps])
     return out

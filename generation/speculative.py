@@ -58,13 +58,15 @@ class Proposals:
         self.probs = None if self.probs is None else self.probs[:, :k]
 
 
-def verify(logits, proposals, temperature=1.0, top_k=None, top_p=None, generator=None):
+def verify(logits, proposals, temperature=1.0, top_k=None, top_p=None, generator=None, min_p=None):
     """The tokens to emit after one verification pass: (tokens (R, k + 1), counts (R,)), row
     b emitting tokens[b, :counts[b]] (its accepted proposals, then the model's own token).
 
-    logits (R, k + 1, V): the model's logits at the newest token and after each proposal.
-    Sampling settings as sample.py takes them; p is exactly the distribution sample() would
-    draw from (sample.probabilities, the same filtering)."""
+    logits (R, k + 1, V): the model's logits at the newest token and after each proposal
+    (after the rows' logits processors, each position's as if the proposals before it had
+    been taken: generation/logits_processors.py). Sampling settings as sample.py takes
+    them; p is exactly the distribution sample() would draw from (sample.probabilities,
+    the same filtering), so a banned proposal has p = 0 and is never accepted."""
     d, R, k = proposals.tokens, *proposals.tokens.shape
     is_proposal = torch.arange(k, device=d.device) < proposals.counts[:, None]   # (R, k)
     if temperature == 0:
@@ -73,7 +75,7 @@ def verify(logits, proposals, temperature=1.0, top_k=None, top_p=None, generator
         agree = (d == choice[:, :k]) & is_proposal
         accepted = agree.int().cumprod(dim=1).sum(dim=1)      # (R,) leading agreements
         return choice, accepted + 1   # accepted proposals equal the model's choices
-    p = probabilities(logits, temperature, top_k, top_p)     # (R, k + 1, V)
+    p = probabilities(logits, temperature, top_k, top_p, min_p)  # (R, k + 1, V)
     p = p / p.sum(dim=-1, keepdim=True)                       # top-p leaves less than 1
     q = torch.zeros_like(p)                                   # position k: no proposal, q = 0
     if proposals.probs is None:
@@ -261,7 +263,7 @@ class DraftModel(Proposer):
                 if probs is None:
                     probs = torch.zeros(R, k, logits.size(-1), device=self.device)
                 q = probabilities(logits, self.sampling["temperature"], self.sampling["top_k"],
-                                  self.sampling["top_p"])
+                                  self.sampling["top_p"], self.sampling.get("min_p"))
                 probs[:, i] = q / q.sum(dim=-1, keepdim=True)
                 token = torch.multinomial(probs[:, i], 1, generator=self.sampling["generator"])[:, 0]
             tokens[:, i] = token

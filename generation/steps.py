@@ -47,21 +47,25 @@ class PlainStep:
 
 class CompiledPlainStep(PlainStep):
     """One token per row through the compiled library, which samples inside its graph
-    (sample.sample_with_noise) and hands back token ids."""
+    (sample.sample_with_noise) and hands back token ids; or, draws=False (rows with logits
+    processors, which read each row's text), hands back logits that the loop's choice
+    processes and draws from."""
 
     keeps_every_row = True  # a new batch size would be a new graph: finished rows run unseen
 
-    def __init__(self, generation):
+    def __init__(self, generation, draws=True):
         super().__init__(generation)
+        self.draws = draws
         self.compiled, self.stats.compile_seconds = compile_for(
-            self.model, self.rows.cache, sampling=generation.sampling,
+            self.model, self.rows.cache, sampling=generation.sampling if draws else None,
             vocab_limit=generation.vocab_limit, max_columns=generation.max_columns)
 
     def __call__(self, newest):
         self.rows.record(newest)
         self.generation.make_room(1)
         self.stats.count_pass(1)
-        tokens = self.compiled.decode(newest, self.rows.cache)[:, None]      # (R, 1)
+        out = self.compiled.decode(newest, self.rows.cache)
+        tokens = (out if self.draws else self.generation.choose(out[:, -1]))[:, None]   # (R, 1)
         return tokens, torch.ones_like(tokens[:, 0])
 
 
@@ -101,13 +105,24 @@ class SpeculativeStep(PlainStep):
             tokens, counts = self.check(newest, proposals, k)
         else:  # nothing to check
             tokens, counts = super().__call__(newest)
-        self.proposer.accept(tokens, counts)
+        self.proposer.accept(tokens.clamp(min=0), counts)
         return tokens, counts
 
     def check(self, newest, proposals, k):
         """Feed newest and the k proposals, keep the model's agreement, roll the rest back."""
         logits = self.feed(torch.cat([newest, proposals.tokens], dim=1))      # (R, 1 + k, V)
-        tokens, counts = self.proposer.verify(logits[..., :self.generation.vocab_limit], proposals)
+        logits = logits[..., :self.generation.vocab_limit]
+        processing = self.generation.processing
+        if processing is not None:  # each position as if the proposals before it were taken
+            logits, dead = processing(logits, proposals)
+            # proposals past a position where nothing can be taken are not checked; a row
+            # that reaches that position gets -1 there (it ends)
+            proposals.counts = torch.minimum(proposals.counts, dead)
+        tokens, counts = self.proposer.verify(logits, proposals)
+        if processing is not None:
+            last = (counts - 1)[:, None]                                       # (R, 1)
+            ended = (last == dead[:, None])
+            tokens = tokens.scatter(1, last, torch.where(ended, -1, tokens.gather(1, last)))
         # none past max_new_tokens; rows that finished (kept by compile) count for nothing
         remaining = torch.tensor(self.generation.remaining(), device=counts.device)
         counts = torch.minimum(counts, remaining.clamp(min=1))

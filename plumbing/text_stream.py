@@ -33,11 +33,12 @@ class SampleText:
     printed is ever half a character. Text that might be the start of a stop string is
     held back too, until it is clear that it is not one."""
 
-    def __init__(self, tokenizer, stops, stop_at_eot=True, stop_token_ids=()):
-        """stops: strings that end the text; stop_at_eot: the tokenizer's end-of-sequence
-        ids end it; stop_token_ids: more tokens that end it, whatever stop_at_eot says (a chat
-        template's end of turn). A token that ends the text adds nothing to it."""
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, stops, stop_at_eot=True, stop_token_ids=(), include_stop=False):
+        """stops: strings that end the text (include_stop: the one found stays in it);
+        stop_at_eot: the tokenizer's end-of-sequence ids end it; stop_token_ids: more tokens
+        that end it, whatever stop_at_eot says (a chat template's end of turn). A token that
+        ends the text adds nothing to it."""
+        self.tokenizer, self.include_stop = tokenizer, include_stop
         self.end_ids = set(stop_token_ids) | (set(eos_token_ids(tokenizer)) if stop_at_eot else set())
         self.stops = [StopString(s) for s in stops]  # each reads every new character once
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -52,9 +53,11 @@ class SampleText:
         start = len(self.text)
         self.text += piece
         # where each stop string's first match begins, if this piece completed one
-        hits = [start + end - len(s.stop) for s in self.stops if (end := s.feed(piece)) is not None]
+        hits = [(start + end - len(s.stop), start + end) for s in self.stops
+                if (end := s.feed(piece)) is not None]
         if hits:
-            self.text = self.text[:min(hits)]
+            begin, end = min(hits)  # the first stop string found, and where it ends
+            self.text = self.text[:end if self.include_stop else begin]
             self.done = True
 
     def finish(self):

@@ -85,6 +85,8 @@ class Engine:
         case before anything is queued."""
         for params in samples:
             params.check()
+        # token ids checked and constraints compiled here, once per SamplingParams
+        processors = [params.processors(self.tokenizer, self.tokenizer.n_vocab) for params in samples]
         context_len = self.model.config.context_len
         for prompt in prompts:
             if not 1 <= len(prompt) <= context_len:
@@ -93,8 +95,8 @@ class Engine:
         self.limits.check_request(prompts, samples)
         with self.admitting:
             self.limits.check_room(self.num_waiting(), len(prompts) * len(samples))
-            requests = [Request(prompt, params, on_output, self.tokenizer, self.device)
-                        for prompt in prompts for params in samples]
+            requests = [Request(prompt, params, on_output, self.tokenizer, self.device, row)
+                        for prompt in prompts for params, row in zip(samples, processors)]
             self.inbox.extend(requests)
         self.notify()
         return requests
@@ -144,7 +146,14 @@ class Engine:
         return True
 
     def emit(self, request, token, logprob=None):
-        """Append the token, hand out the text that is ready, retire the request if done."""
+        """Append the token, hand out the text that is ready, retire the request if done.
+        A token < 0: its logits processors left the request no token (a constraint it cannot
+        meet): it ends, "length" as for max_tokens, its text a valid prefix."""
+        if token < 0:
+            request.text.done = True
+            return self.deliver(request, None, "length", logprob)
+        if request.processing is not None:
+            request.processing.accept([token])
         request.tokens.append(token)
         request.text.add(token)
         reason = ("stop" if request.text.done else

@@ -19,7 +19,9 @@ The routes of forward, the first that takes the batch:
 
 The draw is one path: the batch's Gumbel draw (sample.sample_rows_with_noise), which the
 compiled step makes inside its graph and the others here; then the requests that draw alone
-(a seed, top-k or top-p: Request.draws_alone) are drawn again by sample.sample.
+(a seed, top-k, top-p or min-p: Request.draws_alone) are drawn again by sample.sample, a
+request with logits processors (penalties, bias, bans, a grammar) from its own processed
+logits (Request.processing).
 """
 
 import torch
@@ -99,7 +101,7 @@ class ModelRunner:
         after the step), a request that samples is drawn from the logits."""
         self.lone_steps += 1
         logits, greedy = self.lone.decode(request)
-        return logits, greedy if request.params.temperature == 0 else None
+        return logits, greedy if request.params.temperature == 0 and not request.draws_alone else None
 
     def fits_compiled_step(self, batch):
         """Nothing to score (its every position's logits are the eager forward's), and: a
@@ -221,20 +223,32 @@ class ModelRunner:
             tokens = sample_rows_with_noise(logits, noise, temperature)
         groups = {}
         for row, r in enumerate(batch):
-            if r.draws_alone:
+            if r.processing is not None:
+                tokens[row] = self.draw_processed(logits[row:row + 1], r)
+            elif r.draws_alone:
                 p = r.params
-                key = (p.temperature, p.top_k, p.top_p, id(r.generator) if r.generator else None)
+                key = (p.temperature, p.top_k, p.top_p, p.min_p, id(r.generator) if r.generator else None)
                 groups.setdefault(key, (r.generator, []))[1].append(row)
-        for (temperature, top_k, top_p, _), (generator, rows) in groups.items():
+        for (temperature, top_k, top_p, min_p, _), (generator, rows) in groups.items():
             rows = torch.tensor(rows, device=logits.device)
-            tokens[rows] = sample(logits[rows], temperature, top_k, top_p, generator)[:, 0]
+            tokens[rows] = sample(logits[rows], temperature, top_k, top_p, generator, min_p)[:, 0]
         return tokens
+
+    def draw_processed(self, logits, request):
+        """A request with logits processors: its token from its processed logits (1, V), or
+        -1 when they leave it none (Engine.emit ends it)."""
+        logits = request.processing(logits)
+        if torch.isneginf(logits).all():
+            return -1
+        p = request.params
+        return int(sample(logits, p.temperature, p.top_k, p.top_p, request.generator, p.min_p)[0, 0])
 
     # ------------------------------------------------------------------ 3. log-probabilities
 
     def token_logprobs(self, logits, tokens, batch):
         """A Logprob of each row's new token for the rows that asked for one, else None."""
-        rows = [i for i, r in enumerate(batch) if r.params.logprobs is not None]
+        rows = [i for i, r in enumerate(batch)  # (a token < 0: the request ends without one)
+                if r.params.logprobs is not None and int(tokens[i]) >= 0]
         found = [None] * len(batch)
         if rows:
             wanted = log_probabilities(logits[rows, :self.vocab_limit], tokens[rows].tolist(),

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from plumbing.text_stream import SampleText
+from generation.logits_processors import Processors, RowProcessing, bad_word_ids
+from generation.structured import KINDS, compile_constraint
+from plumbing.text_stream import SampleText, eos_token_ids
 from sample import check_sampling_args
 from serving.scheduler import Sequence
 
@@ -32,16 +34,54 @@ class SamplingParams:
     stop_at_eot: bool = True  # False: the end-of-text token does not end it (benchmarks)
     logprobs: int = None      # each new token's log-probability and the `logprobs` likeliest
     prompt_logprobs: int = None  # the same for every prompt token but the first
+    # logits processors (sample.py has their formulas; generation/logits_processors.py)
+    repetition_penalty: float = 1.0   # multiplicative, over prompt and output tokens
+    presence_penalty: float = 0.0     # OpenAI's, additive, over output tokens
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: tuple = ()            # ((token_id, bias), ...) (or a dict), int ids, bias in [-100, 100]
+    min_tokens: int = 0               # end-of-text and stop tokens banned until this many
+    bad_words: tuple = ()             # strings; their tokens as written and after a space
+    allowed_token_ids: tuple = None   # only these may be drawn
+    # structured outputs (generation/structured.py): (kind, spec), kind one of
+    # structured.KINDS: "json" (a JSON-schema dict or its text), "json_object" (None),
+    # "regex" (a str, Rust syntax), "choice" (a list of str), "grammar" (Lark or GBNF text)
+    structured: tuple = None
+    include_stop_str_in_output: bool = False
 
     def check(self):
-        check_sampling_args(self.temperature, self.top_k, self.top_p)
+        """ValueError (one line) for a setting that has no meaning, without the tokenizer
+        (token ids and the constraint are checked by processors())."""
+        check_sampling_args(self.temperature, self.top_k, self.top_p, self.min_p)
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.structured is not None and (len(self.structured) != 2 or self.structured[0] not in KINDS):
+            raise ValueError(f"structured must be (kind, spec), kind one of {', '.join(KINDS)}")
         if any(not s for s in self.stop):
             raise ValueError("a stop string must not be empty")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self.processor_settings(()).check(2 ** 62)  # ranges now; ids against the vocabulary later
+
+    def processor_settings(self, bad_words, constraint=None, end_ids=()):
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        return Processors(self.repetition_penalty, self.presence_penalty, self.frequency_penalty,
+                          tuple(bias), self.min_tokens, bad_words,
+                          None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+                          end_ids, constraint)
+
+    def processors(self, tokenizer, vocab_size):
+        """The Processors of these settings for this tokenizer, checked (ValueError: a token
+        id outside the vocabulary, a constraint that does not compile), or None when
+        none changes anything. Its constraint is compiled here, once for every sample."""
+        constraint = None if self.structured is None else compile_constraint(*self.structured, tokenizer)
+        end_ids = tuple(dict.fromkeys((*eos_token_ids(tokenizer), *self.stop_token_ids)))
+        processors = self.processor_settings(bad_word_ids(self.bad_words, tokenizer), constraint, end_ids)
+        processors.check(vocab_size)
+        return processors if processors.active else None
 
 
 @dataclass
@@ -68,11 +108,14 @@ class Output:
 class Request(Sequence):
     """A sequence plus what the caller asked for and what it has been given."""
 
-    def __init__(self, prompt, params, on_output, tokenizer, device):
+    def __init__(self, prompt, params, on_output, tokenizer, device, processors=None):
+        """processors: params.processors(tokenizer, ...), made once for a request's samples."""
         super().__init__(prompt)
         self.params, self.on_output = params, on_output
         self.text = SampleText(tokenizer, list(params.stop), params.stop_at_eot,
-                               params.stop_token_ids)
+                               params.stop_token_ids, params.include_stop_str_in_output)
+        # each sample's own state: its output so far, its place in the grammar
+        self.processing = processors and RowProcessing(processors, prompt)
         self.score_prompt = params.prompt_logprobs is not None
         self.prompt_logprobs = None  # [None, Logprob of token 1, ...] once the prefill ran
         self.shown = 0  # characters of text handed out
@@ -88,9 +131,11 @@ class Request(Sequence):
 
     @property
     def draws_alone(self):
-        """Drawn by sample() with its own settings, not in the batch's draw: a seeded request
-        (its generator must give the text generate() gives the seed) or one with top-k or
-        top-p (they sort the vocabulary, which the batch should not pay for every row)."""
+        """Drawn by sample() with its own settings, not in the batch's draw: one with logits
+        processors (they read its own text), a seeded request (its generator must give the
+        text generate() gives the seed) or one with top-k, top-p or min-p (they filter the
+        vocabulary, which the batch should not pay for every row)."""
         p = self.params
-        return p.temperature > 0 and (self.generator is not None or p.top_k is not None
-                                      or (p.top_p is not None and p.top_p < 1))
+        return self.processing is not None or p.temperature > 0 and (
+            self.generator is not None or p.top_k is not None
+            or (p.top_p is not None and p.top_p < 1) or p.min_p > 0)

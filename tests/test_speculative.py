@@ -27,6 +27,7 @@ from base_model import GPTConfig
 from conftest import random_prompts, run_script, tiny_model
 from generation import loop, speculative
 from generation.loop import Generation, GenerationStats, generate_tokens, left_pad
+from generation.logits_processors import Processors, RowProcessing
 from generation.rows import Rows
 from generation.speculative import DraftModel, PromptLookup
 from plumbing.checkpoint import BUNDLED
@@ -156,12 +157,16 @@ def small():
     return model, draft
 
 
-def exact_distribution(model, **sampling):
-    """P(first L tokens = s) for every s in V^L (lexicographic order), by enumeration."""
-    seqs = torch.tensor(list(itertools.product(range(V), repeat=L)))        # (V^L, L)
+def exact_distribution(model, processors=None, length=L, **sampling):
+    """P(first L tokens = s) for every s in V^L (lexicographic order), by enumeration; with
+    processors, position i of s processed as the row is after s[:i]."""
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=length)))   # (V^L, L)
     idx = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs], dim=1)
     with torch.no_grad():
         logits = model(idx)[0][:, len(PROMPT) - 1:-1]                        # (V^L, L, V)
+    if processors is not None:
+        logits = torch.stack([RowProcessing(processors, PROMPT)(row, ahead=seq[:-1].tolist())
+                              for row, seq in zip(logits, seqs)])
     p = probabilities(logits, **sampling)
     p = p / p.sum(dim=-1, keepdim=True)
     return p.gather(-1, seqs[..., None])[..., 0].prod(dim=-1).double()
@@ -169,26 +174,34 @@ def exact_distribution(model, **sampling):
 
 def chi_square_p_value(samples, expected_p):
     """Pearson's test of samples (N, L) against the cell probabilities expected_p."""
-    cells = (samples * V ** torch.arange(L - 1, -1, -1)).sum(dim=1)
-    observed = torch.bincount(cells, minlength=V ** L).double()
+    length = samples.size(1)
+    cells = (samples * V ** torch.arange(length - 1, -1, -1)).sum(dim=1)
+    observed = torch.bincount(cells, minlength=V ** length).double()
     expected = expected_p * samples.size(0)
     big = expected >= 5
+    if expected[~big].sum() == 0:  # cells no sample may reach (min-p, bans): pooled, none there
+        return 0.0 if observed[~big].sum() else chi_square_tail(observed[big], expected[big])
     observed = torch.cat([observed[big], observed[~big].sum()[None]])
     expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    return chi_square_tail(observed, expected)
+
+
+def chi_square_tail(observed, expected):
     chi2 = ((observed - expected) ** 2 / expected).sum()
     dof = torch.tensor(len(expected) - 1.0, dtype=torch.double)
     return torch.special.gammaincc(dof / 2, chi2 / 2).item()  # P(chi2(dof) >= chi2)
 
 
-def samples_of(model, seed, **options):
-    return generate_tokens(model, [PROMPT], L, num_samples=N,
+def samples_of(model, seed, n=N, length=L, **options):
+    return generate_tokens(model, [PROMPT], length, num_samples=n,
                            generator=torch.Generator().manual_seed(seed), **options)
 
 
-SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_k=3), dict(temperature=1.3, top_p=0.8)]
+SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_k=3), dict(temperature=1.3, top_p=0.8),
+            dict(temperature=1.0, min_p=0.2)]
 
 
-@pytest.mark.parametrize("sampling", SETTINGS, ids=["t1", "t0.7-topk3", "t1.3-topp0.8"])
+@pytest.mark.parametrize("sampling", SETTINGS, ids=["t1", "t0.7-topk3", "t1.3-topp0.8", "t1-minp0.2"])
 def test_sampling_keeps_the_models_distribution(small, sampling):
     model, draft = small
     expected = exact_distribution(model, **sampling)
@@ -198,6 +211,26 @@ def test_sampling_keeps_the_models_distribution(small, sampling):
         samples = samples_of(model, seed, speculate=3, proposer=proposer, stats=stats, **sampling)
         assert chi_square_p_value(samples, expected) > 1e-4, type(proposer).__name__
         assert 0 < stats.accepted < stats.proposed  # both branches of the rule were taken
+
+
+# Processors that depend on the text so far (the penalties, a two-token bad word, min_tokens:
+# token 0 is this test's end of text), so that each position of a verification must be
+# processed as if the proposals before it had been taken. Each row is processed in Python,
+# so fewer samples of fewer tokens: 3 tokens (64 cells) of 4,000 samples.
+PROCESSORS = Processors(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3,
+                        logit_bias=((2, 1.0),), bad_words=((3, 3),), min_tokens=2, end_ids=(0,))
+
+
+def test_sampling_with_processors_keeps_the_processed_distribution(small):
+    model, draft = small
+    expected = exact_distribution(model, PROCESSORS, length=3, temperature=1.0)
+    options = dict(n=4000, length=3, temperature=1.0, processors=PROCESSORS)
+    assert chi_square_p_value(samples_of(model, 1, **options), expected) > 1e-4  # plain: the reference
+    for seed, proposer in enumerate([PromptLookup(2), DraftModel(draft)], start=2):
+        stats = GenerationStats()
+        samples = samples_of(model, seed, speculate=2, proposer=proposer, stats=stats, **options)
+        assert chi_square_p_value(samples, expected) > 1e-4, type(proposer).__name__
+        assert 0 < stats.accepted < stats.proposed
 
 
 def test_the_distribution_test_catches_a_wrong_rule(small, monkeypatch):

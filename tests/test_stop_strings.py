@@ -64,3 +64,14 @@ def test_a_million_character_stop_string():
         assert sample.ready() == 0  # all of it may still be the start of the stop string
     sample.add(ord("x"))
     assert sample.ready() == 20_001 and not sample.done
+
+
+def test_include_stop_str_in_output_keeps_the_first_stop_found():
+    """vLLM's include_stop_str_in_output: the text ends with the stop string that ended it
+    (the first found: "cd" ends before "bcde" would)."""
+    for include, expected in ((False, "ab"), (True, "abcd")):
+        sample = SampleText(CharTokenizer(), ["bcde", "cd"], stop_at_eot=False, include_stop=include)
+        for char in "abcdef":
+            if not sample.done:
+                sample.add(ord(char))
+        assert (sample.text, sample.done) == (expected, True)
