@@ -61,12 +61,15 @@ class ChatTemplate:
         self.eos_token = end_of_text if eos_token is None else eos_token
         self.end_of_turn_ids = self.find_end_of_turn_ids()
 
-    def render(self, messages, add_generation_prompt=True):
+    def render(self, messages, add_generation_prompt=True, **variables):
         """The conversation as the model reads it; with add_generation_prompt, followed by
-        the header of the assistant's turn, for the model to write."""
+        the header of the assistant's turn, for the model to write. variables: what else the
+        template reads (tools=, a model's own such as Qwen3's enable_thinking), as
+        transformers' apply_chat_template passes them."""
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token, eos_token=self.eos_token)
+                                        bos_token=self.bos_token, eos_token=self.eos_token,
+                                        **variables)
         except TemplateError:
             raise
         except Exception as e:  # a template is a program: any error is the template's

@@ -32,6 +32,16 @@ class SamplingParams:
     stop_at_eot: bool = True  # False: the end-of-text token does not end it (benchmarks)
     logprobs: int = None      # each new token's log-probability and the `logprobs` likeliest
     prompt_logprobs: int = None  # the same for every prompt token but the first
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: tuple = ()  # ((token_id, bias), ...), bias in [-100, 100]
+    min_tokens: int = 0
+    bad_words: tuple = ()  # strings
+    allowed_token_ids: tuple = None
+    structured: tuple = None   # (kind, spec): kind in {"json", "json_object", "regex", "choice", "grammar"}; spec: JSON-schema dict / None / regex str / list of str / grammar str
+    include_stop_str_in_output: bool = False
 
     def check(self):
         check_sampling_args(self.temperature, self.top_k, self.top_p)

@@ -238,7 +238,8 @@ class CompletionServer:
         parsed = await asyncio.to_thread(parse_chat, request[BODY], self.tokenizer, self.context,
                                          self.model_name, self.chat_template, self.engine.limits,
                                          self.context_policy)
-        return await self.answer(request, parsed, lambda *a: ChatReply(*a, logprobs=parsed.logprobs))
+        return await self.answer(request, parsed, lambda *a: ChatReply(*a, logprobs=parsed.logprobs,
+                                                                       tools=parsed.tools))
 
     async def answer(self, request, parsed, make_reply):
         """Queue every choice on the engine and answer with make_reply(server, choices,
@@ -251,12 +252,17 @@ class CompletionServer:
 
         # choice index = prompt index * n + sample index, as OpenAI numbers them (submit's
         # order); all or nothing, past the admission limits nothing (RequestTooLarge, Overloaded)
-        choices = self.engine.submit(parsed.prompts, parsed.samples, on_output)
+        try:
+            choices = self.engine.submit(parsed.prompts, parsed.samples, on_output)
+        except RequestTooLarge:
+            raise  # openai_errors answers it, naming the limit
+        except ValueError as e:  # a setting the engine refuses (request_parsing checks first)
+            raise BadRequest(str(e), code="invalid_value") from None
         self.metrics.received(sum(map(len, parsed.prompts)))
         reply = make_reply(self, choices, outputs, [len(p) for p in parsed.prompts], len(parsed.samples))
         try:
             if parsed.stream:
-                return await reply.stream(request, parsed.include_usage)
+                return await reply.stream(request, parsed.include_usage, parsed.continuous_usage)
             return await reply.whole()
         finally:  # done, failed, or the client went away: nothing of this request runs on
             for r in choices:

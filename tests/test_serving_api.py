@@ -381,9 +381,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages", "unsupported_parameter"),
     ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, "model", "model_not_found"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format",
-     "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools",
+     "missing_required_parameter"),  # its function
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format",
+     "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens", "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, "max_completion_tokens", "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "logprobs": "yes"}, "logprobs", "invalid_type"),
