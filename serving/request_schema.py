@@ -226,7 +226,6 @@ class Sampling(Strict):
     guided_choice: Choices = None
     guided_grammar: Regex = None
     user: Optional[str] = None  # OpenAI's end-user id, for their abuse monitoring: kept nowhere
-    best_of: unsupported(1) = None
 
 
 class CompletionRequest(Sampling):
@@ -234,6 +233,7 @@ class CompletionRequest(Sampling):
     max_tokens: Int(0, 10**6) = None  # 0 only with echo (request_parsing checks)
     logprobs: Int(0, MAX_LOGPROBS) = None
     echo: Optional[bool] = None
+    best_of: unsupported(1) = None
     suffix: unsupported(None) = None
 
 
