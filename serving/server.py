@@ -2,13 +2,14 @@
 An OpenAI-compatible HTTP server on the engine (the command is serve.py):
 
     POST /v1/completions   prompt (a string, a list of strings, or token ids), max_tokens
-                           (0 with echo: score the prompt only), temperature, top_p, top_k
-                           (an extra, as in vLLM; -1 = off), n, stop, seed, stream
-                           (server-sent events), stream_options, logprobs (0-20), echo,
-                           ignore_eos and stop_token_ids (extras, as in vLLM)
+                           (0 with echo: score the prompt only), the sampling fields
+                           (temperature, top_p, top_k, min_p, the penalties, logit_bias,
+                           ...), stop, seed, n, stream, logprobs (0-20), echo, and a
+                           structured-output constraint (response_format, vLLM's
+                           structured_outputs / guided_*)
     POST /v1/chat/completions  messages, rendered with the model's chat template
-                           (chat.py), max_tokens / max_completion_tokens, logprobs and
-                           top_logprobs, and the sampling fields above
+                           (chat.py), the same fields, logprobs / top_logprobs, tools and
+                           tool_choice (calls read back by tool_calls.py)
     POST /tokenize, /detokenize   text <-> token ids (vLLM's extras)
     GET  /v1/models        the one model served, with max_model_len
     GET  /metrics          Prometheus's text format (metrics.py)
@@ -18,9 +19,10 @@ With an API key (serve.py --api-key), every path but /health wants the header
 `Authorization: Bearer KEY` and answers 401 without it. A prompt plus max_tokens longer
 than the model's context is refused (400, naming both), as OpenAI and vLLM do, unless the
 server keeps going past the context (context_policy "reprefill", the generation loop's
-policy). Each endpoint's body is read in request_parsing.py, the answers are shaped in
-replies.py; this file is the HTTP side: routes, streaming, the API key, and the server's
-own thread (BackgroundServer).
+policy). Each endpoint's body is a model of request_schema.py (every field it takes, an
+unknown one refused), read in request_parsing.py; the answers are shaped in replies.py;
+this file is the HTTP side: routes, streaming, the API key, and the server's own thread
+(BackgroundServer).
 
 The HTTP side (aiohttp, on an asyncio event loop in its own thread) and the engine
 (serve.py runs it on the main thread) meet in two places: engine.submit /
