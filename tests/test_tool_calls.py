@@ -14,6 +14,8 @@ replies.py), checked with the official openai package:
 
 import json
 import threading
+import urllib.error
+import urllib.request
 from types import SimpleNamespace
 from typing import Literal
 
@@ -207,6 +209,36 @@ def test_a_refused_field_is_the_packages_bad_request_error(scripted):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=USER, extra_body={"guided_jsn": {}})
     assert (e.value.param, e.value.code) == ("guided_jsn", "unknown_parameter")
+
+
+HOSTILE_BODIES = [  # (body, param): each a one-line 400, before the engine sees anything
+    ({"tools": [WEATHER] * 129}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"x": {"description": "y" * 200_000}}}}}]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x" * 10_000}}},
+     "tool_choice"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "type": "function",
+                                                         "function": {"name": "f", "arguments": 5}}]}]},
+     "messages"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {str(i): {"type": "string"} for i in range(20_000)}}}}},
+     "response_format"),
+]
+
+
+@pytest.mark.parametrize("fields,param", HOSTILE_BODIES)
+def test_hostile_bodies_are_one_line_400s(scripted, fields, param):
+    engine, client = scripted
+    engine.samples = None
+    body = json.dumps({"model": NAME, "messages": USER, **fields}).encode()
+    request = urllib.request.Request(str(client.base_url) + "chat/completions", data=body)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=60)
+    error = json.loads(e.value.read())["error"]
+    assert e.value.code == 400 and error["param"] == param and error["type"] == "invalid_request_error"
+    assert "\n" not in error["message"] and len(error["message"]) < 1500
+    assert engine.samples is None  # nothing was submitted
 
 
 # ---------------------------------------------------------------------------- the real engine
