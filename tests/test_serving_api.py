@@ -183,6 +183,12 @@ def test_usage_counts_prefix_cache_hits_and_the_stream_marks_usage_null(client, 
                                             stream_options={"include_usage": True}))
     assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].usage.completion_tokens <= 3
     assert chunks[-1].choices == []
+    # vLLM's continuous_usage_stats (guidellm sends it): the usage so far on every chunk
+    chunks = list(client.completions.create(model=NAME, prompt="x", max_tokens=3, stream=True,
+                                            extra_body={"ignore_eos": True}, stream_options={
+                                                "include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 3 and chunks[-1].choices == []
     assert_idle(engine)
 
 
