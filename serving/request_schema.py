@@ -98,14 +98,26 @@ def spec_size(value):
 
 
 def json_schema(value):
-    """A JSON schema: an object, or a string holding one (vLLM's guided_json takes both)."""
+    """A JSON schema: an object."""
+    if not isinstance(value, dict):
+        raise refuse("invalid_type", f"must be a JSON schema (an object), got {shown(value)}")
+    return spec_size(value)
+
+
+def json_schema_or_text(value):
+    """vLLM's guided_json and structured_outputs.json: a schema, or a string holding one."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError:
             raise refuse("invalid_value", "is not valid JSON") from None
-    if not isinstance(value, dict):
-        raise refuse("invalid_type", f"must be a JSON schema (an object), got {shown(value)}")
+    return json_schema(value)
+
+
+def spec_text(value):
+    """A regex or a grammar: a non-empty string, bounded."""
+    if not value:
+        raise refuse("invalid_value", "must not be empty")
     return spec_size(value)
 
 
@@ -116,7 +128,8 @@ def choices(value):
 
 
 Schema = Optional[Annotated[Any, AfterValidator(json_schema)]]
-Regex = Optional[Annotated[str, AfterValidator(spec_size), Field(min_length=1)]]
+SchemaOrText = Optional[Annotated[Any, AfterValidator(json_schema_or_text)]]
+SpecText = Optional[Annotated[str, AfterValidator(spec_text)]]
 Choices = Optional[Annotated[Any, AfterValidator(choices)]]
 TokenIds = Optional[list[int]]
 
@@ -182,10 +195,10 @@ class ResponseFormat(Strict):
 
 class StructuredOutputs(Strict):
     """vLLM's structured_outputs: one of these."""
-    json_: Schema = Field(None, alias="json")
-    regex: Regex = None
+    json_: SchemaOrText = Field(None, alias="json")
+    regex: SpecText = None
     choice: Choices = None
-    grammar: Regex = None
+    grammar: SpecText = None
     json_object: Optional[bool] = None
 
 
@@ -221,10 +234,10 @@ class Sampling(Strict):
     allowed_token_ids: Optional[Annotated[list[int], Field(min_length=1)]] = None
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputs] = None
-    guided_json: Schema = None
-    guided_regex: Regex = None
+    guided_json: SchemaOrText = None
+    guided_regex: SpecText = None
     guided_choice: Choices = None
-    guided_grammar: Regex = None
+    guided_grammar: SpecText = None
     user: Optional[str] = None  # OpenAI's end-user id, for their abuse monitoring: kept nowhere
 
 
@@ -419,6 +432,8 @@ def bad_request(error, model):
         return BadRequest(f"'{at}' is required", param, "missing_required_parameter")
     if kind in TYPE_NAMES:
         return BadRequest(f"'{at}' must be {TYPE_NAMES[kind]}, got {shown(value)}", param, "invalid_type")
+    if kind in ("too_long", "too_short"):  # the value itself would say nothing more
+        return BadRequest(f"'{at}': {error['msg']}", param, "invalid_value")
     if kind == "literal_error":
         return BadRequest(f"'{at}' must be one of {error['ctx']['expected']}, got {shown(value)}",
                           param, "invalid_value")
