@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from plumbing.user_text import TextError, as_prompt, check_text, encode_text, longest_token_bytes
 from serving.chat import TemplateError
-from serving.request_schema import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
-                                    TokenizeRequest, shown, validate)
+from serving.request_schema import (MAX_SPEC_CHARS, BadRequest, ChatRequest, CompletionRequest,
+                                    DetokenizeRequest, TokenizeRequest, shown, validate)
 from serving.requests import SamplingParams
 from serving.tool_calls import ToolUse
 
@@ -328,7 +328,12 @@ def tool_use(request):
             raise BadRequest(f"'tool_choice' names {shown(choice.function.name)}, which is not one of "
                              f"the tools ({', '.join(names)})", "tool_choice", "invalid_value")
         choice = choice.function.name
-    return ToolUse(tools, given(choice, "auto"), given(request.parallel_tool_calls, True))
+    use = ToolUse(tools, given(choice, "auto"), given(request.parallel_tool_calls, True))
+    if len(json.dumps(use.schema())) > MAX_SPEC_CHARS:  # each tool's is bounded, not their sum
+        raise BadRequest(f"the tools' parameters make a schema of more than {MAX_SPEC_CHARS:,} "
+                         "characters as JSON: offer fewer tools, or name one in tool_choice",
+                         "tools", "invalid_value")
+    return use
 
 
 def template_message(message):

@@ -131,7 +131,6 @@ Schema = Optional[Annotated[Any, AfterValidator(json_schema)]]
 SchemaOrText = Optional[Annotated[Any, AfterValidator(json_schema_or_text)]]
 SpecText = Optional[Annotated[str, AfterValidator(spec_text)]]
 Choices = Optional[Annotated[Any, AfterValidator(choices)]]
-TokenIds = Optional[list[int]]
 
 
 def stop_list(value):

@@ -196,6 +196,8 @@ HOSTILE = [  # (fields of a chat request, the param its 400 names)
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "nope"}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "description": "x" * MAX_SPEC_CHARS}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "description": "x" * (MAX_SPEC_CHARS // 4)}}} for i in range(5)], "tool_choice": "required"}, "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "rm_rf"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
