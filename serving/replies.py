@@ -9,7 +9,8 @@ on an asyncio.Queue, in any order; a Reply gathers them and answers either at th
     CompletionReply   /v1/completions        choices[].text, logprobs as tokens /
                                              token_logprobs / top_logprobs / text_offset
     ChatReply         /v1/chat/completions   choices[].message (delta when streamed),
-                                             logprobs as content[] with top_logprobs
+                                             logprobs as content[] with top_logprobs,
+                                             tool_calls read out of the text (tool_calls.py)
 
 Log-probabilities are the model's raw ones (before temperature, top-k and top-p, as vLLM
 reports them by default). A token's text in them is its bytes decoded on their own, so a
@@ -89,9 +90,10 @@ class Reply:
         return web.json_response(self.body([self.whole_choice(i) for i in range(len(self.choices))],
                                            usage=True))
 
-    async def stream(self, request, include_usage):
+    async def stream(self, request, include_usage, continuous_usage=False):
         """Server-sent events: a chunk per piece, then (with include_usage, which also puts
-        "usage": null on every chunk, as OpenAI does) one with the usage, then [DONE]."""
+        "usage": null on every chunk, as OpenAI does) one with the usage, then [DONE]. With
+        continuous_usage (vLLM's continuous_usage_stats) every chunk has the usage so far."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -101,8 +103,8 @@ class Reply:
             await response.write(data + (b"data: [DONE]\n\n" if done else b""))
 
         def chunk(choices):
-            body = self.body(choices, chunk=True)
-            return {**body, "usage": None} if include_usage else body
+            body = self.body(choices, chunk=True, usage=continuous_usage)
+            return {**body, "usage": None} if include_usage and not continuous_usage else body
         opening = [chunk([first]) for first in self.opening_choices()]
         if opening:
             await send(opening)
@@ -200,12 +202,16 @@ class CompletionReply(Reply):
 
 class ChatReply(Reply):
     """/v1/chat/completions: the assistant's message; streamed, a first chunk per choice
-    with its role, then the content in deltas."""
+    with its role, then the content in deltas. With tools (a tool_calls.ToolUse), each
+    choice's text is read for calls: they go in message.tool_calls, finish_reason
+    "tool_calls"; streamed, content goes out as soon as it cannot be part of a call, and
+    the calls in the last chunk (delta.tool_calls, each with its index)."""
     id_prefix, object_name, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, server, choices, outputs, prompt_lens, n, logprobs):
+    def __init__(self, server, choices, outputs, prompt_lens, n, logprobs, tools=None):
         super().__init__(server, choices, outputs, prompt_lens, n)
-        self.want_logprobs = logprobs
+        self.want_logprobs, self.tools = logprobs, tools
+        self.readers = [tools and tools.reader() for _ in choices]  # a ToolCallText each, or None
 
     def logprobs_object(self, logprobs):
         tokenizer = self.server.tokenizer
@@ -217,9 +223,15 @@ class ChatReply(Reply):
                              "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]}
 
     def whole_choice(self, i):
-        return {"index": i, "message": {"role": "assistant", "content": self.texts[i]},
+        content, calls = self.texts[i], []
+        if self.readers[i] is not None:
+            content, calls = self.tools.calls_in(content)
+        message = {"role": "assistant", "content": (content or None) if calls else content}
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": i, "message": message,
                 "logprobs": self.logprobs_object(self.logprobs[i]) if self.want_logprobs else None,
-                "finish_reason": self.reasons[i]}
+                "finish_reason": "tool_calls" if calls else self.reasons[i]}
 
     def opening_choices(self):
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -227,8 +239,18 @@ class ChatReply(Reply):
 
     def chunk_choice(self, i, output):
         logprobs = [output.logprob] if output.logprob is not None else []
-        if not (output.text or output.finish_reason or (self.want_logprobs and logprobs)):
+        text, calls, reason = output.text, [], output.finish_reason
+        reader = self.readers[i]
+        if reader is not None:  # what cannot be part of a call now; the rest at the end
+            text = reader.add(text)
+            if reason is not None:
+                rest, calls = reader.end()
+                text += rest
+        if not (text or reason or (self.want_logprobs and logprobs)):
             return None
-        return {"index": i, "delta": {"content": output.text} if output.text else {},
+        delta = {"content": text} if text else {}
+        if calls:
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+        return {"index": i, "delta": delta,
                 "logprobs": self.logprobs_object(logprobs) if self.want_logprobs else None,
-                "finish_reason": output.finish_reason}
+                "finish_reason": "tool_calls" if calls else reason}

@@ -1,6 +1,7 @@
 """
-Reading a request: each endpoint's JSON body (already parsed by server.read_body) checked
-field by field and turned into what the engine takes, one function per endpoint:
+Reading a request: each endpoint's JSON body (already parsed by server.read_body) validated
+against its model (request_schema.py: every field typed and bounded, an unknown one refused)
+and turned into what the engine takes, one function per endpoint:
 
     parse_completion   /v1/completions       -> Parsed (prompts as token ids, SamplingParams)
     parse_chat         /v1/chat/completions  -> Parsed (the messages rendered by the template)
@@ -8,37 +9,22 @@ field by field and turned into what the engine takes, one function per endpoint:
     parse_detokenize   /detokenize           -> token ids
 
 Anything wrong raises BadRequest, which the server answers with HTTP 400 (or the status it
-names) and OpenAI's error object naming the field (param) and why (code). A request's size
-is held to the admission limits (admission.py) before its text is encoded; the engine
-checks again when the work is submitted. The answers are shaped in replies.py.
+names) and OpenAI's error object naming the field (param) and why (code). What the schema
+cannot know is checked here: token ids against the vocabulary, text against the context,
+the constraints a request may give only one of. A request's size is held to the admission
+limits (admission.py) before its text is encoded; the engine checks again when the work is
+submitted. The answers are shaped in replies.py.
 """
 
 import json
 from dataclasses import dataclass
 
 from plumbing.user_text import TextError, as_prompt, check_text, encode_text, longest_token_bytes
-from serving.chat import ROLES, TemplateError
+from serving.chat import TemplateError
+from serving.request_schema import (MAX_SPEC_CHARS, BadRequest, ChatRequest, CompletionRequest,
+                                    DetokenizeRequest, TokenizeRequest, shown, validate)
 from serving.requests import SamplingParams
-
-MAX_N = 128          # samples per prompt
-MAX_STOPS = 4        # as OpenAI
-MAX_LOGPROBS = 20    # top log-probabilities per token, as vLLM's default and OpenAI's chat
-MAX_STOP_TOKEN_IDS = 64
-UNSUPPORTED = {      # fields we do not implement, and the value that means "not used"
-    "best_of": 1, "suffix": None, "presence_penalty": 0, "frequency_penalty": 0,
-    "logit_bias": None,
-}
-CHAT_UNSUPPORTED = {  # the same for chat: no tools, no structured output, text only
-    **{k: v for k, v in UNSUPPORTED.items() if k not in ("best_of", "suffix")},
-    "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-    "response_format": {"type": "text"}, "audio": None, "prediction": None,
-}
-
-
-class BadRequest(Exception):
-    def __init__(self, message, param=None, code=None, status=400):
-        super().__init__(message)
-        self.param, self.code, self.status = param, code, status
+from serving.tool_calls import ToolUse
 
 
 @dataclass
@@ -50,6 +36,8 @@ class Parsed:
     include_usage: bool
     logprobs: bool       # the choices carry logprobs
     echo: bool = False   # (completions) the text starts with the prompt
+    continuous_usage: bool = False  # (streams) the usage so far on every chunk, as vLLM
+    tools: ToolUse = None  # (chat) the tools offered, read back out of the replies
 
 
 # ---------------------------------------------------------------------------- the endpoints
@@ -59,34 +47,36 @@ def parse_completion(body, tokenizer, context, model_name, limits, policy="error
     log-probability and the k likeliest; echo returns the prompt too (with logprobs, its
     tokens' log-probabilities); max_tokens 0 with echo scores the prompt only. The
     request's size is held to the admission limits before its prompts are encoded."""
-    check_model(body, model_name)
-    refuse_unsupported(body, UNSUPPORTED)
-    prompts = prompt_list(body)
-    logprobs, echo = logprobs_count(body, "logprobs"), flag(body, "echo")
-    max_tokens = number(body, "max_tokens", 16, 0, 10**6, integer=True)
+    request = read(CompletionRequest, body, model_name)
+    if request.prompt is None:
+        raise BadRequest("'prompt' is required", "prompt", "missing_required_parameter")
+    logprobs, echo = request.logprobs, bool(request.echo)
+    max_tokens = given(request.max_tokens, 16)
     if max_tokens == 0 and not echo:
         raise BadRequest("'max_tokens' must be >= 1 (0 only with echo, to score the prompt)",
                          "max_tokens", "invalid_value")
-    fields, n, seed, stream, include_usage = sampling_fields(body, tokenizer, context)
-    check_size(limits, len(prompts), n, max_tokens)
-    prompts = prompt_ids(prompts, tokenizer, context, limits)
+    fields, n = sampling_fields(request, tokenizer, context, max_tokens)
+    check_size(limits, len(request.prompt), n, max_tokens)
+    prompts = prompt_ids(request.prompt, tokenizer, context, limits)
     for p in prompts:
         check_fits_context(len(p), max_tokens, context, "prompt", policy)
-    fields.update(max_tokens=max_tokens, logprobs=logprobs,
+    fields.update(max_tokens=max_tokens, logprobs=logprobs, structured=constraint(request),
                   prompt_logprobs=logprobs if echo and logprobs is not None else None)
-    return Parsed(prompts, samples_of(fields, n, seed), stream, include_usage,
-                  logprobs is not None, echo)
+    return Parsed(prompts, samples_of(fields, n, request.seed), logprobs=logprobs is not None,
+                  echo=echo, **stream_flags(request))
 
 
 def parse_chat(body, tokenizer, context, model_name, template, limits, policy="error"):
     """A Parsed /v1/chat/completions request. Generation stops at the template's
     end-of-turn tokens (with the end-of-text, and ignored with it by ignore_eos, as vLLM
     treats a model's end-of-sequence ids)."""
-    check_model(body, model_name)
-    refuse_unsupported(body, CHAT_UNSUPPORTED)
-    fields, n, seed, stream, include_usage = sampling_fields(body, tokenizer, context)
+    request = read(ChatRequest, body, model_name)
+    if request.messages is None:
+        raise BadRequest("'messages' is required", "messages", "missing_required_parameter")
+    n = given(request.n, 1)
     limits.check_sequences(1, n)  # before the template renders and the text is encoded
-    prompt = chat_prompt(body, template, tokenizer, context)
+    tools = tool_use(request)
+    prompt = chat_prompt(request, template, tokenizer, context, tools)
     limits.check_prompt_tokens(len(prompt))
     if len(prompt) >= context and policy == "error":
         raise BadRequest(f"This model's maximum context length is {context} tokens. However, your "
@@ -96,107 +86,74 @@ def parse_chat(body, tokenizer, context, model_name, template, limits, policy="e
     if len(prompt) > context:
         raise BadRequest(f"This model's maximum context length is {context} tokens; the messages "
                          f"have {len(prompt)}", "messages", "context_length_exceeded")
-    max_tokens = number(body, "max_completion_tokens", None, 1, 10**6, integer=True)
-    if max_tokens is None:
-        max_tokens = number(body, "max_tokens", None, 1, 10**6, integer=True)
+    max_tokens = given(request.max_completion_tokens, request.max_tokens)
     if max_tokens is None:  # as vLLM: what the context has room for
         max_tokens = max(context - len(prompt), 1)
     check_fits_context(len(prompt), max_tokens, context, "messages", policy)
     check_size(limits, 1, n, max_tokens)
-    logprobs, top = flag(body, "logprobs"), logprobs_count(body, "top_logprobs")
+    fields, _ = sampling_fields(request, tokenizer, context, max_tokens)
+    logprobs, top = bool(request.logprobs), request.top_logprobs
     if top is not None and not logprobs:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
     if fields["stop_at_eot"]:
         fields["stop_token_ids"] += template.end_of_turn_ids
-    fields.update(max_tokens=max_tokens, logprobs=(top or 0) if logprobs else None)
-    return Parsed([prompt], samples_of(fields, n, seed), stream, include_usage, logprobs)
+    fields.update(max_tokens=max_tokens, logprobs=(top or 0) if logprobs else None,
+                  structured=constraint(request, tools))
+    return Parsed([prompt], samples_of(fields, n, request.seed), logprobs=logprobs, tools=tools,
+                  **stream_flags(request))
 
 
 def parse_tokenize(body, tokenizer, context, model_name, template):
     """/tokenize, as vLLM's: {"prompt": text} or {"messages": [...]} (rendered by the chat
     template, which writes its own BOS). A prompt's ids begin with the tokenizer's BOS when
     its config adds one (as /v1/completions feeds it), unless "add_special_tokens" is false."""
-    check_model(body, model_name)
-    if "messages" in body:
-        return chat_prompt(body, template, tokenizer, context)
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str):
+    request = read(TokenizeRequest, body, model_name)
+    if request.messages is not None:
+        return chat_prompt(request, template, tokenizer, context)
+    if request.prompt is None:
         raise BadRequest("'prompt' (a string) or 'messages' is required", "prompt", "invalid_type")
-    add_special_tokens = body.get("add_special_tokens", True)
-    if not isinstance(add_special_tokens, bool):
-        raise BadRequest("'add_special_tokens' must be true or false", "add_special_tokens", "invalid_type")
-    ids = user_text_ids(prompt, tokenizer, context, "prompt")
-    bos = getattr(tokenizer, "bos_token_id", None) if add_special_tokens else None
+    ids = user_text_ids(request.prompt, tokenizer, context, "prompt")
+    bos = getattr(tokenizer, "bos_token_id", None) if given(request.add_special_tokens, True) else None
     return ids if bos is None else [bos, *ids]
 
 
 def parse_detokenize(body, tokenizer, model_name):
     """/detokenize, as vLLM's: {"tokens": [ids]}, each a token of the tokenizer."""
-    check_model(body, model_name)
-    ids = body.get("tokens")
-    if not (isinstance(ids, list) and all(map(is_json_int, ids))):
-        raise BadRequest("'tokens' must be a list of token ids", "tokens", "invalid_type")
-    if not all(0 <= t < tokenizer.n_vocab for t in ids):
-        raise BadRequest(f"token ids must be in [0, {tokenizer.n_vocab})", "tokens", "invalid_value")
-    return ids
+    return list(token_ids(read(DetokenizeRequest, body, model_name).tokens, tokenizer, "tokens"))
 
 
 # ---------------------------------------------------------------------------- the fields
 
-def shown(value):
-    """A client's value in an error message: JSON, cut to a few dozen characters."""
-    text = json.dumps(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+def read(model, body, model_name):
+    """The body as a request of model (request_schema.py), for the model served: "model"
+    absent or null is the one served, as vLLM takes it."""
+    if isinstance(body, dict) and body.get("model") not in (None, model_name):
+        raise BadRequest(f"The model {shown(body['model'])} does not exist; this server serves "
+                         f"'{model_name}'", "model", "model_not_found")
+    return validate(model, body)
 
 
-def is_json_int(x):
-    return isinstance(x, int) and not isinstance(x, bool)  # JSON true is not a number
+def given(value, default):
+    return default if value is None else value
 
 
-def is_json_number(x):
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def token_ids(ids, tokenizer, param):
+    """A list of the client's token ids as a tuple, each a token of the tokenizer."""
+    if not all(0 <= t < tokenizer.n_vocab for t in ids):
+        raise BadRequest(f"'{param}' takes token ids in [0, {tokenizer.n_vocab})", param, "invalid_value")
+    return tuple(ids)
 
 
-def number(body, name, default, low, high, integer=False, low_open=False):
-    """body[name] (null: the default) checked to be a number in [low, high] ((low, high]
-    with low_open); one BadRequest naming the field otherwise."""
-    value = body.get(name)
-    if value is None:
-        return default
-    kind = "an integer" if integer else "a number"
-    if not (is_json_int(value) if integer else is_json_number(value)):
-        raise BadRequest(f"'{name}' must be {kind}, got {shown(value)}", name, "invalid_type")
-    if value != value or value > high or (value <= low if low_open else value < low):
-        interval = f"{'(' if low_open else '['}{low}, {high}]"
-        raise BadRequest(f"'{name}' must be in {interval}, got {shown(value)}", name, "invalid_value")
-    return value
-
-
-def flag(body, name):
-    value = body.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise BadRequest(f"'{name}' must be true or false, got {shown(value)}", name, "invalid_type")
-    return value
-
-
-def stop_strings(body, tokenizer, context):
-    """At most MAX_STOPS strings, of at most context x longest_token_bytes characters in
-    all: a stop string matches text the sample writes, and a context's worth of tokens is
-    at most that many characters (a character is at least one byte), so a longer one could
-    never match within a context (past it, with --context-policy reprefill, only text whose
-    start the model no longer sees). Every sample builds a matching table for each string
-    before its first token, on the server's time: without the bound four strings of 250,000
-    characters and n 64 held up every other client for seconds."""
-    stop = body.get("stop")
+def stop_strings(stop, tokenizer, context):
+    """At most context x longest_token_bytes characters in all (the schema holds the count
+    to MAX_STOPS): a stop string matches text the sample writes, and a context's worth of
+    tokens is at most that many characters (a character is at least one byte), so a longer
+    one could never match within a context (past it, with --context-policy reprefill, only
+    text whose start the model no longer sees). Every sample builds a matching table for
+    each string before its first token, on the server's time: without the bound four
+    strings of 250,000 characters and n 64 held up every other client for seconds."""
     if stop is None:
         return ()
-    stop = [stop] if isinstance(stop, str) else stop
-    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-        raise BadRequest("'stop' must be a non-empty string or a list of them", "stop", "invalid_type")
-    if len(stop) > MAX_STOPS:
-        raise BadRequest(f"'stop' takes at most {MAX_STOPS} strings, got {len(stop)}", "stop", "invalid_value")
     longest = longest_token_bytes(tokenizer)
     total = sum(map(len, stop))
     if longest is not None and total > context * longest:
@@ -206,63 +163,89 @@ def stop_strings(body, tokenizer, context):
     return tuple(stop)
 
 
-def logprobs_count(body, name):
-    """How many top log-probabilities a request asks for: null (none) or 0..MAX_LOGPROBS."""
-    return number(body, name, None, 0, MAX_LOGPROBS, integer=True)
+def sampling_fields(request, tokenizer, context, max_tokens):
+    """(SamplingParams fields every endpoint shares, n). top_k 0 and -1 are off (as vLLM
+    and llama.cpp read them); logit_bias's keys become token ids."""
+    if given(request.min_tokens, 0) > max_tokens:
+        raise BadRequest(f"'min_tokens' ({request.min_tokens}) is more than max_tokens ({max_tokens})",
+                         "min_tokens", "invalid_value")
+    bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
+    allowed = request.allowed_token_ids
+    fields = dict(temperature=given(request.temperature, 1.0),
+                  top_k=None if request.top_k in (None, 0, -1) else request.top_k,
+                  top_p=None if request.top_p in (None, 1) else request.top_p,
+                  min_p=given(request.min_p, 0.0),
+                  repetition_penalty=given(request.repetition_penalty, 1.0),
+                  presence_penalty=given(request.presence_penalty, 0.0),
+                  frequency_penalty=given(request.frequency_penalty, 0.0),
+                  logit_bias=tuple(zip(token_ids(sorted(bias), tokenizer, "logit_bias"),
+                                       (bias[t] for t in sorted(bias)))),
+                  min_tokens=given(request.min_tokens, 0),
+                  bad_words=tuple(request.bad_words or ()),
+                  allowed_token_ids=None if allowed is None else token_ids(allowed, tokenizer,
+                                                                           "allowed_token_ids"),
+                  stop=stop_strings(request.stop, tokenizer, context),
+                  stop_token_ids=token_ids(request.stop_token_ids or [], tokenizer, "stop_token_ids"),
+                  stop_at_eot=not request.ignore_eos,
+                  include_stop_str_in_output=bool(request.include_stop_str_in_output))
+    return fields, given(request.n, 1)
 
 
-def stop_token_ids(body, tokenizer):
-    """The vLLM extra 'stop_token_ids': token ids that end the text."""
-    ids = body.get("stop_token_ids")
-    if ids is None:
-        return ()
-    if not (isinstance(ids, list) and all(map(is_json_int, ids))):
-        raise BadRequest("'stop_token_ids' must be a list of token ids", "stop_token_ids", "invalid_type")
-    if len(ids) > MAX_STOP_TOKEN_IDS or not all(0 <= t < tokenizer.n_vocab for t in ids):
-        raise BadRequest(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} ids in "
-                         f"[0, {tokenizer.n_vocab})", "stop_token_ids", "invalid_value")
-    return tuple(ids)
+def stream_flags(request):
+    """Parsed's stream, include_usage and continuous_usage of a request."""
+    options = request.stream_options
+    return dict(stream=bool(request.stream), include_usage=bool(options and options.include_usage),
+                continuous_usage=bool(options and options.continuous_usage_stats))
 
 
-def check_model(body, model_name):
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != model_name:  # null or absent: the one served, as vLLM
-        raise BadRequest(f"The model {shown(model)} does not exist; this server serves '{model_name}'",
-                         "model", "model_not_found")
+CONSTRAINT_FIELDS = (("guided_json", "json"), ("guided_regex", "regex"),
+                     ("guided_choice", "choice"), ("guided_grammar", "grammar"))
 
 
-def refuse_unsupported(body, unsupported):
-    for name, unused in unsupported.items():
-        if body.get(name, unused) not in (unused, None):
-            raise BadRequest(f"'{name}' is not supported by this server", name, "unsupported_parameter")
-
-
-def sampling_fields(body, tokenizer, context):
-    """(SamplingParams fields every endpoint shares, n, seed, stream, include_usage)."""
-    top_k = number(body, "top_k", None, -1, 10**9, integer=True)
-    if top_k == 0:
-        raise BadRequest("'top_k' must be -1 (off) or >= 1, got 0", "top_k", "invalid_value")
-    top_p = number(body, "top_p", 1.0, 0, 1, low_open=True)
-    seed = number(body, "seed", None, -2**63, 2**63 - 1, integer=True)
-    fields = dict(temperature=number(body, "temperature", 1.0, 0, 2),
-                  top_k=None if top_k in (None, -1) else top_k,
-                  top_p=None if top_p == 1 else top_p,
-                  stop=stop_strings(body, tokenizer, context), stop_token_ids=stop_token_ids(body, tokenizer),
-                  stop_at_eot=not flag(body, "ignore_eos"))
-    n = number(body, "n", 1, 1, MAX_N, integer=True)
-    options = body.get("stream_options")
-    options = {} if options is None else options
-    if not isinstance(options, dict):
-        raise BadRequest("'stream_options' must be an object", "stream_options", "invalid_type")
-    return fields, n, seed, flag(body, "stream"), flag(options, "include_usage")
+def constraint(request, tools=None):
+    """SamplingParams.structured: (kind, spec) from whichever field asks for one
+    (response_format, structured_outputs, the guided_* names, a required or named tool),
+    or None. Two constraints in one request are a 400: which would hold is not obvious."""
+    found = []  # (param, (kind, spec))
+    form = request.response_format
+    if form is not None and form.type == "json_object":
+        found.append(("response_format", ("json_object", None)))
+    if form is not None and form.type == "json_schema":
+        if form.json_schema is None or form.json_schema.schema_ is None:
+            raise BadRequest("'response_format' of type json_schema needs json_schema.schema (a "
+                             "JSON schema)", "response_format", "invalid_value")
+        found.append(("response_format", ("json", form.json_schema.schema_)))
+    chosen = request.structured_outputs
+    if chosen is not None:
+        kinds = [(kind, value) for kind, value in (("json", chosen.json_), ("regex", chosen.regex),
+                 ("choice", chosen.choice), ("grammar", chosen.grammar)) if value is not None]
+        kinds += [("json_object", None)] if chosen.json_object else []
+        if len(kinds) != 1:
+            raise BadRequest("'structured_outputs' takes exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {len(kinds)}", "structured_outputs", "invalid_value")
+        found.append(("structured_outputs", kinds[0]))
+    found += [(name, (kind, getattr(request, name))) for name, kind in CONSTRAINT_FIELDS
+              if getattr(request, name) is not None]
+    schema = tools.schema() if tools is not None else None
+    if schema is not None:
+        found.append(("tool_choice", ("json", schema)))
+    if len(found) > 1:
+        (first, _), (second, _) = found[:2]
+        raise BadRequest(f"'{first}' and '{second}' both constrain the output; give one",
+                         second, "invalid_value")
+    return found[0][1] if found else None
 
 
 def samples_of(fields, n, seed):
     """The SamplingParams of n samples: sample i of n draws from seed + i, so the n texts
-    differ and each is reproducible."""
-    return [SamplingParams(**fields, seed=None if seed is None else seed + i) for i in range(n)]
+    differ and each is reproducible. A setting the sampler cannot take (a constraint the
+    grammar engine cannot compile) is a 400 here, before any work is queued."""
+    samples = [SamplingParams(**fields, seed=None if seed is None else seed + i) for i in range(n)]
+    try:
+        samples[0].check()
+    except ValueError as e:
+        raise BadRequest(str(e), None, "invalid_value") from None
+    return samples
 
 
 def check_size(limits, num_prompts, n, max_tokens):
@@ -284,22 +267,6 @@ def check_fits_context(prompt_len, max_tokens, context, param, policy):
 
 
 # ---------------------------------------------------------------------------- prompts
-
-def prompt_list(body):
-    """The prompts of the request, each a string or a list of token ids: 'prompt' is a
-    string, a list of strings, a list of token ids, or a list of such lists (OpenAI's four
-    forms)."""
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise BadRequest("'prompt' is required", "prompt", "missing_required_parameter")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(map(is_json_int, prompt))):
-        prompt = [prompt]
-    if not (isinstance(prompt, list) and prompt and all(
-            isinstance(p, str) or (isinstance(p, list) and p and all(map(is_json_int, p))) for p in prompt)):
-        raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or "
-                         "a list of lists of token ids, and not empty", "prompt", "invalid_type")
-    return prompt
-
 
 def check_user_text(text, tokenizer, context, param):
     """Refuse a client's text that cannot be tokenized (a lone surrogate), or that has more
@@ -344,53 +311,94 @@ def prompt_ids(prompts, tokenizer, context, limits):
 
 # ---------------------------------------------------------------------------- chat messages
 
-def message_text(content, i):
-    """A message's content as text: a string, or a list of text parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
-            raise BadRequest(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': "
-                             "...}) are supported", "messages", "unsupported_parameter")
-        return "".join(p["text"] for p in content)
-    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts",
-                     "messages", "invalid_type")
+def tool_use(request):
+    """The ToolUse of a chat request (None without tools): tool_choice defaults to "auto"
+    with tools, as OpenAI's; a named tool must be one of them."""
+    choice = request.tool_choice
+    if request.tools is None:
+        if choice not in (None, "none"):
+            raise BadRequest("'tool_choice' needs 'tools' to choose from", "tool_choice", "invalid_value")
+        return None
+    tools = [t.model_dump(exclude_none=True, by_alias=True) for t in request.tools]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) < len(names):
+        raise BadRequest("'tools' names a function twice", "tools", "invalid_value")
+    if choice is not None and not isinstance(choice, str):
+        if choice.function.name not in names:
+            raise BadRequest(f"'tool_choice' names {shown(choice.function.name)}, which is not one of "
+                             f"the tools ({', '.join(names)})", "tool_choice", "invalid_value")
+        choice = choice.function.name
+    use = ToolUse(tools, given(choice, "auto"), given(request.parallel_tool_calls, True))
+    if len(json.dumps(use.schema())) > MAX_SPEC_CHARS:  # each tool's is bounded, not their sum
+        raise BadRequest(f"the tools' parameters make a schema of more than {MAX_SPEC_CHARS:,} "
+                         "characters as JSON: offer fewer tools, or name one in tool_choice",
+                         "tools", "invalid_value")
+    return use
 
 
-def chat_messages(body):
-    """The messages as the template reads them: [{"role", "content"}], content as text."""
-    messages = body.get("messages")
-    if messages is None:
-        raise BadRequest("'messages' is required", "messages", "missing_required_parameter")
-    if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
-        raise BadRequest("'messages' must be a non-empty list of {'role': ..., 'content': ...}",
-                         "messages", "invalid_type")
-    for i, m in enumerate(messages):
-        if m.get("role") not in ROLES:
-            raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
-                             f"{shown(m.get('role'))}", "messages", "invalid_value")
-    return [{"role": m["role"], "content": message_text(m.get("content"), i)}
-            for i, m in enumerate(messages)]
+def template_message(message):
+    """A message as chat templates read it (transformers' and vLLM's way): content as text
+    (None only for an assistant's message that calls tools), tool calls' arguments as the
+    object they spell (templates write them with tojson)."""
+    m = message.model_dump(exclude_none=True)
+    m["content"] = message.content
+    for call in m.get("tool_calls", ()):
+        arguments = call["function"]["arguments"]
+        try:
+            call["function"]["arguments"] = json.loads(arguments)
+        except ValueError:
+            pass  # not JSON: the template gets the string the client sent
+    return m
 
 
-def chat_prompt(body, template, tokenizer, context):
-    """Token ids of the conversation, rendered by the model's chat template. The rendered
-    text passes the same checks as a prompt's (user_text_ids) before it is encoded."""
+def continued(text, final):
+    """The rendered conversation cut right after the final message's text, so that the
+    model continues it (continue_final_message, as transformers cuts it): the template
+    closes the turn after it, and that closing must go."""
+    stripped, kept = final.strip(), final.lstrip()  # kept: with its trailing space
+    at = text.rfind(stripped)
+    if not stripped or at < 0:
+        raise BadRequest("'continue_final_message': the template does not write the final "
+                         "message's text as it is, so it cannot be continued", "continue_final_message",
+                         "invalid_value")
+    return text[:at + (len(kept) if text.startswith(kept, at) else len(stripped))]
+
+
+def render_options(request):
+    """(add_generation_prompt, continue_final_message) of a request: the first is true
+    unless the second is asked for; both true is a 400 (a new turn cannot continue the last)."""
+    continue_final = bool(getattr(request, "continue_final_message", None))
+    add_generation_prompt = given(request.add_generation_prompt, not continue_final)
+    if continue_final and add_generation_prompt:
+        raise BadRequest("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                         "continue_final_message", "invalid_value")
+    if continue_final and request.messages[-1].role != "assistant":
+        raise BadRequest("'continue_final_message' continues the last message, which must be the "
+                         "assistant's", "continue_final_message", "invalid_value")
+    return add_generation_prompt, continue_final
+
+
+def chat_prompt(request, template, tokenizer, context, tools=None):
+    """Token ids of the conversation, rendered by the model's chat template with the tools
+    and chat_template_kwargs as variables (as transformers' apply_chat_template passes
+    them). The rendered text passes the same checks as a prompt's (user_text_ids) before it
+    is encoded."""
     if template is None:
         raise BadRequest("This model has no chat template, so /v1/chat/completions cannot "
                          "render messages: start serve.py with --chat-template FILE (a Jinja "
                          "template), or serve a --hf directory whose tokenizer_config.json has a "
                          "chat_template; /v1/completions works without one", "messages",
                          "chat_template_missing")
-    messages = chat_messages(body)
-    add_generation_prompt = body.get("add_generation_prompt", True)
-    if not isinstance(add_generation_prompt, bool):
-        raise BadRequest("'add_generation_prompt' must be true or false", "add_generation_prompt",
-                         "invalid_type")
+    add_generation_prompt, continue_final = render_options(request)
+    messages = [template_message(m) for m in request.messages]
+    variables = getattr(request, "chat_template_kwargs", None) or {}
     try:
-        text = template.render(messages, add_generation_prompt)
+        text = template.render(messages, add_generation_prompt,
+                               tools=None if tools is None else tools.tools, **variables)
     except TemplateError as e:
         raise BadRequest(f"the chat template refused these messages: {e}", "messages",
                          "invalid_value") from None
+    if continue_final:
+        text = continued(text, messages[-1]["content"] or "")
     check_user_text(text, tokenizer, context, "messages")
     return template.encode(text)

@@ -2,13 +2,14 @@
 An OpenAI-compatible HTTP server on the engine (the command is serve.py):
 
     POST /v1/completions   prompt (a string, a list of strings, or token ids), max_tokens
-                           (0 with echo: score the prompt only), temperature, top_p, top_k
-                           (an extra, as in vLLM; -1 = off), n, stop, seed, stream
-                           (server-sent events), stream_options, logprobs (0-20), echo,
-                           ignore_eos and stop_token_ids (extras, as in vLLM)
+                           (0 with echo: score the prompt only), the sampling fields
+                           (temperature, top_p, top_k, min_p, the penalties, logit_bias,
+                           ...), stop, seed, n, stream, logprobs (0-20), echo, and a
+                           structured-output constraint (response_format, vLLM's
+                           structured_outputs / guided_*)
     POST /v1/chat/completions  messages, rendered with the model's chat template
-                           (chat.py), max_tokens / max_completion_tokens, logprobs and
-                           top_logprobs, and the sampling fields above
+                           (chat.py), the same fields, logprobs / top_logprobs, tools and
+                           tool_choice (calls read back by tool_calls.py)
     POST /tokenize, /detokenize   text <-> token ids (vLLM's extras)
     GET  /v1/models        the one model served, with max_model_len
     GET  /metrics          Prometheus's text format (metrics.py)
@@ -22,9 +23,10 @@ wants the header `Authorization: Bearer KEY` and answers 401 without it (the pag
 for the key and sends it). A prompt plus max_tokens longer
 than the model's context is refused (400, naming both), as OpenAI and vLLM do, unless the
 server keeps going past the context (context_policy "reprefill", the generation loop's
-policy). Each endpoint's body is read in request_parsing.py, the answers are shaped in
-replies.py; this file is the HTTP side: routes, streaming, the API key, and the server's
-own thread (BackgroundServer).
+policy). Each endpoint's body is a model of request_schema.py (every field it takes, an
+unknown one refused), read in request_parsing.py; the answers are shaped in replies.py;
+this file is the HTTP side: routes, streaming, the API key, and the server's own thread
+(BackgroundServer).
 
 The HTTP side (aiohttp, on an asyncio event loop in its own thread) and the engine
 (serve.py runs it on the main thread) meet in two places: engine.submit /
@@ -278,7 +280,8 @@ class CompletionServer:
         parsed = await asyncio.to_thread(parse_chat, request[BODY], self.tokenizer, self.context,
                                          self.model_name, self.chat_template, self.engine.limits,
                                          self.context_policy)
-        return await self.answer(request, parsed, lambda *a: ChatReply(*a, logprobs=parsed.logprobs))
+        return await self.answer(request, parsed, lambda *a: ChatReply(*a, logprobs=parsed.logprobs,
+                                                                       tools=parsed.tools))
 
     async def answer(self, request, parsed, make_reply):
         """Queue every choice on the engine and answer with make_reply(server, choices,
@@ -291,14 +294,19 @@ class CompletionServer:
 
         # choice index = prompt index * n + sample index, as OpenAI numbers them (submit's
         # order); all or nothing, past the admission limits nothing (RequestTooLarge, Overloaded)
-        choices = self.engine.submit(parsed.prompts, parsed.samples, on_output)
+        try:
+            choices = self.engine.submit(parsed.prompts, parsed.samples, on_output)
+        except RequestTooLarge:
+            raise  # openai_errors answers it, naming the limit
+        except ValueError as e:  # a setting the engine refuses (request_parsing checks first)
+            raise BadRequest(str(e), code="invalid_value") from None
         self.metrics.received(sum(map(len, parsed.prompts)))
         reply = make_reply(self, choices, outputs, [len(p) for p in parsed.prompts], len(parsed.samples))
         for i, r in enumerate(choices):
             self.reply_ids[r] = (reply.id, i)
         try:
             if parsed.stream:
-                return await reply.stream(request, parsed.include_usage)
+                return await reply.stream(request, parsed.include_usage, parsed.continuous_usage)
             return await reply.whole()
         finally:  # done, failed, or the client went away: nothing of this request runs on
             for r in choices:

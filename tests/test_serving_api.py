@@ -183,6 +183,12 @@ def test_usage_counts_prefix_cache_hits_and_the_stream_marks_usage_null(client, 
                                             stream_options={"include_usage": True}))
     assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].usage.completion_tokens <= 3
     assert chunks[-1].choices == []
+    # vLLM's continuous_usage_stats (guidellm sends it): the usage so far on every chunk
+    chunks = list(client.completions.create(model=NAME, prompt="x", max_tokens=3, stream=True,
+                                            extra_body={"ignore_eos": True}, stream_options={
+                                                "include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 3 and chunks[-1].choices == []
     assert_idle(engine)
 
 
@@ -381,9 +387,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages", "unsupported_parameter"),
     ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, "model", "model_not_found"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format",
-     "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools",
+     "missing_required_parameter"),  # its function
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format",
+     "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens", "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, "max_completion_tokens", "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "logprobs": "yes"}, "logprobs", "invalid_type"),

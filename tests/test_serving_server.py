@@ -164,7 +164,7 @@ BAD_REQUESTS = [
     ({"prompt": "x", "temperature": True}, "temperature", "invalid_type"),
     ({"prompt": "x", "temperature": 2.5}, "temperature", "invalid_value"),
     ({"prompt": "x", "top_p": 0}, "top_p", "invalid_value"),
-    ({"prompt": "x", "top_k": 0}, "top_k", "invalid_value"),
+    ({"prompt": "x", "top_k": -2}, "top_k", "invalid_value"),  # 0 and -1 are off
     ({"prompt": "x", "n": 0}, "n", "invalid_value"),
     ({"prompt": "x", "n": 1.5}, "n", "invalid_type"),
     ({"prompt": "x", "stop": ["a", ""]}, "stop", "invalid_type"),
