@@ -74,19 +74,21 @@ class Engine:
     # ------------------------------------------------------------------ the caller's side
     # (any thread)
 
-    def submit(self, prompts, samples, on_output=lambda request, output: None):
+    def submit(self, prompts, samples, on_output=lambda request, output: None, processors=None):
         """Queue one caller's request: every prompt (token ids) sampled with each
         SamplingParams of samples, all or nothing. Returns the Requests, prompt-major
         (prompt i's sample j is [i * len(samples) + j]); on_output(request, Output) is called
         from the engine's thread for every token, the last one with a finish_reason.
+        processors: each sample's params.processors(), when the caller made them already
+        (the server does, off its event loop: a grammar may take seconds to compile).
 
         Raises ValueError for a bad prompt or setting, admission.RequestTooLarge past a
         per-request limit and admission.Overloaded when the waiting queue is full, in each
         case before anything is queued."""
         for params in samples:
             params.check()
-        # token ids checked and constraints compiled here, once per SamplingParams
-        processors = [params.processors(self.tokenizer, self.tokenizer.n_vocab) for params in samples]
+        if processors is None:  # token ids checked and constraints compiled, once per SamplingParams
+            processors = [params.processors(self.tokenizer, self.tokenizer.n_vocab) for params in samples]
         context_len = self.model.config.context_len
         for prompt in prompts:
             if not 1 <= len(prompt) <= context_len:

@@ -5,7 +5,7 @@ and turned into what the engine takes, one function per endpoint:
 
     parse_completion   /v1/completions       -> Parsed (prompts as token ids, SamplingParams)
     parse_chat         /v1/chat/completions  -> Parsed (the messages rendered by the template)
-    parse_tokenize     /tokenize             -> token ids
+    parse_tokenize     /tokenize             -> token ids (and whether their texts are wanted)
     parse_detokenize   /detokenize           -> token ids
 
 Anything wrong raises BadRequest, which the server answers with HTTP 400 (or the status it
@@ -106,8 +106,13 @@ def parse_chat(body, tokenizer, context, model_name, template, limits, policy="e
 def parse_tokenize(body, tokenizer, context, model_name, template):
     """/tokenize, as vLLM's: {"prompt": text} or {"messages": [...]} (rendered by the chat
     template, which writes its own BOS). A prompt's ids begin with the tokenizer's BOS when
-    its config adds one (as /v1/completions feeds it), unless "add_special_tokens" is false."""
+    its config adds one (as /v1/completions feeds it), unless "add_special_tokens" is false.
+    Returns (ids, whether each token's text was asked for: "return_token_strs")."""
     request = read(TokenizeRequest, body, model_name)
+    return prompt_to_tokenize(request, tokenizer, context, template), bool(request.return_token_strs)
+
+
+def prompt_to_tokenize(request, tokenizer, context, template):
     if request.messages is not None:
         return chat_prompt(request, template, tokenizer, context)
     if request.prompt is None:

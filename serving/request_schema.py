@@ -388,6 +388,7 @@ class TokenizeRequest(Strict):
     messages: Optional[Annotated[list[Message], BeforeValidator(non_empty_list)]] = None
     add_special_tokens: Optional[bool] = None
     add_generation_prompt: Optional[bool] = None
+    return_token_strs: Optional[bool] = None  # vLLM's: each token's text beside its id
 
 
 class DetokenizeRequest(Strict):

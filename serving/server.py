@@ -63,7 +63,7 @@ from serving.admission import SERVING_CONTEXT_POLICIES, Overloaded, RequestTooLa
 from serving.cache_view import cache_view, pool_formula
 from serving.metrics import ServerMetrics
 from serving.replies import ChatReply, CompletionReply, EngineFailed, token_text
-from serving.request_parsing import (BadRequest, flag, parse_chat, parse_completion, parse_detokenize,
+from serving.request_parsing import (BadRequest, parse_chat, parse_completion, parse_detokenize,
                                      parse_tokenize)
 
 MAX_JSON_DEPTH = 64  # a real request nests 3 to 6 deep; 1,000 deep broke json.loads itself
@@ -269,21 +269,33 @@ class CompletionServer:
             "owned_by": "kvcache-gpt", "max_model_len": self.context}]})
 
     async def completions(self, request):
-        # parsed (and its text encoded) on a worker thread: a long prompt must not hold up
-        # /health and every other client
-        parsed = await asyncio.to_thread(parse_completion, request[BODY], self.tokenizer, self.context,
-                                         self.model_name, self.engine.limits, self.context_policy)
-        return await self.answer(request, parsed, lambda *a: CompletionReply(
+        parsed, processors = await self.parse_off_the_loop(
+            parse_completion, request[BODY], self.tokenizer, self.context, self.model_name,
+            self.engine.limits, self.context_policy)
+        return await self.answer(request, parsed, processors, lambda *a: CompletionReply(
             *a, echo=parsed.echo, logprobs=parsed.logprobs))
 
     async def chat_completions(self, request):
-        parsed = await asyncio.to_thread(parse_chat, request[BODY], self.tokenizer, self.context,
-                                         self.model_name, self.chat_template, self.engine.limits,
-                                         self.context_policy)
-        return await self.answer(request, parsed, lambda *a: ChatReply(*a, logprobs=parsed.logprobs,
-                                                                       tools=parsed.tools))
+        parsed, processors = await self.parse_off_the_loop(
+            parse_chat, request[BODY], self.tokenizer, self.context, self.model_name,
+            self.chat_template, self.engine.limits, self.context_policy)
+        return await self.answer(request, parsed, processors, lambda *a: ChatReply(
+            *a, logprobs=parsed.logprobs, tools=parsed.tools))
 
-    async def answer(self, request, parsed, make_reply):
+    async def parse_off_the_loop(self, parse, *args):
+        """parse(*args) and each sample's logits processors, on a worker thread: encoding a
+        long prompt, rendering a template or compiling a grammar (up to seconds) must not
+        hold up /health and every other client. A constraint that does not compile is a 400."""
+        def work():
+            parsed = parse(*args)
+            try:
+                return parsed, [params.processors(self.tokenizer, self.tokenizer.n_vocab)
+                                for params in parsed.samples]
+            except ValueError as e:
+                raise BadRequest(str(e), code="invalid_value") from None
+        return await asyncio.to_thread(work)
+
+    async def answer(self, request, parsed, processors, make_reply):
         """Queue every choice on the engine and answer with make_reply(server, choices,
         outputs, prompt lengths, n): whole, or streamed."""
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
@@ -295,7 +307,7 @@ class CompletionServer:
         # choice index = prompt index * n + sample index, as OpenAI numbers them (submit's
         # order); all or nothing, past the admission limits nothing (RequestTooLarge, Overloaded)
         try:
-            choices = self.engine.submit(parsed.prompts, parsed.samples, on_output)
+            choices = self.engine.submit(parsed.prompts, parsed.samples, on_output, processors)
         except RequestTooLarge:
             raise  # openai_errors answers it, naming the limit
         except ValueError as e:  # a setting the engine refuses (request_parsing checks first)
@@ -315,11 +327,10 @@ class CompletionServer:
 
     async def tokenize(self, request):
         def tokens_and_texts():  # on a worker thread, as a completion's prompt is encoded
-            ids = parse_tokenize(request[BODY], self.tokenizer, self.context, self.model_name,
-                                 self.chat_template)
+            ids, with_texts = parse_tokenize(request[BODY], self.tokenizer, self.context,
+                                             self.model_name, self.chat_template)
             # token_strs (vLLM's return_token_strs): each token's bytes decoded alone, as in logprobs
-            return ids, ([token_text(self.tokenizer, t) for t in ids]
-                         if flag(request[BODY], "return_token_strs") else None)
+            return ids, [token_text(self.tokenizer, t) for t in ids] if with_texts else None
         ids, strs = await asyncio.to_thread(tokens_and_texts)
         return web.json_response({"count": len(ids), "max_model_len": self.context, "tokens": ids,
                                   "token_strs": strs})

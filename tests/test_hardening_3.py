@@ -103,7 +103,7 @@ def test_model_null_is_the_model_served_on_every_endpoint():
                                          parse_tokenize)
     parsed = parse_completion({"model": None, "prompt": "Hi"}, TOKENIZER, 64, "tiny", Limits())
     assert parsed.prompts == [list(b"Hi")]
-    assert parse_tokenize({"model": None, "prompt": "Hi"}, TOKENIZER, 64, "tiny", None) == list(b"Hi")
+    assert parse_tokenize({"model": None, "prompt": "Hi"}, TOKENIZER, 64, "tiny", None) == (list(b"Hi"), False)
     assert parse_detokenize({"model": None, "tokens": [72]}, TOKENIZER, "tiny") == [72]
     with pytest.raises(BadRequest) as e:  # past the model check: on to the (missing) template
         parse_chat({"model": None, "messages": [{"role": "user", "content": "Hi"}]}, TOKENIZER,

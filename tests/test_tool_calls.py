@@ -33,6 +33,7 @@ from plumbing.tokenizer import encoding_from_spec  # noqa: E402
 from serving.admission import Limits  # noqa: E402
 from serving.chat import ChatTemplate  # noqa: E402
 from serving.engine import Engine  # noqa: E402
+from serving.paged_cache import BlockPool  # noqa: E402
 from serving.requests import Output  # noqa: E402
 from serving.server import BackgroundServer  # noqa: E402
 from serving.tool_calls import ToolUse  # noqa: E402
@@ -104,6 +105,14 @@ def test_content_streams_until_it_may_be_a_call_and_the_call_comes_at_the_end():
 
 # ---------------------------------------------------------------------------- a scripted engine
 
+class ScriptedRequest:
+    """What the server reads of an engine's request (a class: the server keeps weak
+    references to them, for /v1/cache)."""
+
+    def __init__(self):
+        self.num_generated, self.cached_prompt_tokens, self.token_times = 0, 0, []
+
+
 class ScriptedEngine:
     """What the server needs of an engine, writing `text` three characters at a time to
     every request: the HTTP side without a model. samples: the SamplingParams of the last
@@ -111,13 +120,13 @@ class ScriptedEngine:
 
     def __init__(self):
         self.text, self.samples, self.limits = "", None, Limits()
-        self.model = SimpleNamespace(config=SimpleNamespace(context_len=CONTEXT),
-                                     lm_head=SimpleNamespace(weight=torch.zeros(2, 2)))
+        config = SimpleNamespace(context_len=CONTEXT, n_layer=1, n_kv_head=1, head_dim=2)
+        self.model = SimpleNamespace(config=config, lm_head=SimpleNamespace(weight=torch.zeros(2, 2)))
+        self.pool = BlockPool(config, num_blocks=CONTEXT // 16)  # for /v1/cache's formula
 
-    def submit(self, prompts, samples, on_output):
+    def submit(self, prompts, samples, on_output, processors=None):
         self.samples = samples
-        requests = [SimpleNamespace(num_generated=0, cached_prompt_tokens=0, token_times=[])
-                    for _ in prompts for _ in samples]
+        requests = [ScriptedRequest() for _ in prompts for _ in samples]
         threading.Thread(target=self.write, args=(requests, on_output)).start()
         return requests
 
