@@ -278,6 +278,20 @@ def test_a_greedy_reply_streams_in_as_tokens_and_is_the_apis_text(browser, url):
     no_console_errors(browser)
 
 
+def test_a_structured_output_and_min_p_typed_in_the_controls_reach_the_server(browser, url):
+    open_page(browser, url)
+    record_bodies(browser)
+    choices = ["ROMEO", "JULIET", "NURSE"]
+    send(browser, "Who speaks? ", temperature=1, min_p=0.05, max_tokens=8,
+         structured_outputs=json.dumps({"choice": choices}))
+    wait_finished(browser)
+    body, = sent_bodies(browser, "/v1/completions")
+    assert body["min_p"] == 0.05 and body["structured_outputs"] == {"choice": choices}
+    # the server held the sampled text to the choice: a random model left to itself would not
+    assert texts(browser, "#conversation .reply")[0] in choices
+    no_console_errors(browser)
+
+
 def test_the_grid_fills_while_a_reply_streams_and_the_stop_button_frees_it(browser, url):
     open_page(browser, url)
     assert grid(browser)["held"] == grid(browser)["shared"] == 0

@@ -19,6 +19,8 @@ export const CONTROLS = [
   {field: "repetition_penalty", kind: "number", value: 1, unset: 1, min: 0.1, max: 2, step: 0.05},
   {field: "seed", kind: "integer", hint: "empty: a new draw each time"},
   {field: "stop", kind: "lines", hint: "one a line; \\n is a newline"},
+  {field: "structured_outputs", kind: "json",
+    hint: '{"choice": ["yes", "no"]}, {"regex": "[0-9]+"} or {"json": {a JSON schema}}'},
 ];
 
 // The boxes, in `form`, one labelled row each.
@@ -28,9 +30,10 @@ export function drawControls(form) {
     row.className = "control";
     const name = document.createElement("span");
     name.textContent = control.field;
-    const box = document.createElement(control.kind === "lines" ? "textarea" : "input");
+    const textual = control.kind === "lines" || control.kind === "json";
+    const box = document.createElement(textual ? "textarea" : "input");
     box.name = control.field;
-    if (control.kind !== "lines") {
+    if (!textual) {
       box.type = "number";
       box.step = control.step ?? (control.kind === "integer" ? 1 : "any");
       if (control.min !== undefined) box.min = control.min;
@@ -58,12 +61,23 @@ export function readControls(form) {
     if (control.kind === "lines") {
       const lines = text.split("\n").filter((line) => line !== "").map(unescape);
       if (lines.length) fields[control.field] = lines;
+    } else if (control.kind === "json") {
+      fields[control.field] = parsedOrText(text);
     } else {
       const value = Number(text);
       if (value !== Number(control.unset ?? NaN)) fields[control.field] = value;
     }
   }
   return fields;
+}
+
+// The JSON a box holds; text that is not JSON goes as it is, and the server's 400 says why.
+function parsedOrText(text) {
+  try {
+    return JSON.parse(text);
+  } catch {
+    return text;
+  }
 }
 
 // "\n" and "\t" typed as two characters become the characters; "\\" a backslash.
