@@ -129,8 +129,13 @@ def check_size(text, what):
 
 
 def one_line(error):
-    text = str(error).strip().splitlines()
-    return text[0][:200] if text else type(error).__name__
+    """An engine's error in one line: its first line, and the line that says what is wrong
+    where the engine writes one apart ("error: unclosed group", under a picture of where)."""
+    lines = [line.strip() for line in str(error).strip().splitlines()]
+    if not lines:
+        return type(error).__name__
+    reason = next((line for line in lines[1:] if line.startswith("error:")), None)
+    return (lines[0] if reason is None else f"{lines[0]} {reason[len('error:'):].strip()}")[:300]
 
 
 def compile_constraint(kind, spec, tokenizer):
