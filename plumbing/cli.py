@@ -76,7 +76,8 @@ def add_model_args(parser):
     parser.add_argument("--dtype", default="auto", choices=["auto", *FLOAT_DTYPES],
                         help="weights and activations; auto: the checkpoint's own where this device "
                         "computes it as fast as float32, else float32 (on a CPU a bfloat16 or float16 "
-                        "checkpoint runs in float32); one line on stderr says which (default: auto)")
+                        "checkpoint runs in float32, in bfloat16 with --quantize); one line on stderr "
+                        "says which (default: auto)")
     parser.add_argument("--seed", type=seed_int, default=1337,
                         help=f"random seed, 0..{SEED_RANGE[-1]} (default: 1337)")
     parser.add_argument("--quantize", default="none", choices=["none", *SCHEMES],

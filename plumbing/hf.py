@@ -200,7 +200,7 @@ def load_hf_model(classes, path, device="cpu", dtype=torch.float32, report=print
                               "--hf expects a Hugging Face directory of GPT-2, Llama, Mistral, Qwen2 or "
                               "Qwen3 (config.json + weights + tokenizer files)")
     hf, config = read_config(path)
-    dtype, dtype_line = resolve_dtype(dtype, config_dtype(hf), device)
+    dtype, dtype_line = resolve_dtype(dtype, config_dtype(hf), device, quantize)
     if config.family == "llama":  # our names are theirs: nothing to convert
         state_dict, tokenizer = clean_state_dict(read_weights(path)), llama_tokenizer(path, hf)
     else:
