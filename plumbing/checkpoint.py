@@ -25,7 +25,9 @@ import torch.nn as nn
 from base_model import GPT
 from llama import Llama, rope_frequencies
 from plumbing.files import read_checkpoint
+from plumbing.memory import check_fits_in_memory, model_memory
 from plumbing.model_config import LAYER_KEY, layer_indices, make_config
+from plumbing.progress import Progress
 from plumbing.script import CheckpointError, short_repr
 from plumbing.tokenizer import encoding_from_spec
 from weight_quant import linear_quantizer
@@ -181,7 +183,7 @@ def check_tokenizer_fits(tokenizer, config, source):
 # ---------------------------------------------------------------------------- loading
 
 def build_model(classes, config, state_dict, tokenizer, source, device="cpu", dtype=torch.float32,
-                quantize=None, group_size=None):
+                quantize=None, group_size=None, show_progress=True):
     """The model of config's family, built by classes[family] (NAIVE_MODELS, or
     kv_cache.CACHED_MODELS) and holding state_dict on `device` in `dtype`, once everything
     about it is checked: the tokenizer fits the vocabulary, (before the model's n layers are
@@ -193,35 +195,47 @@ def build_model(classes, config, state_dict, tokenizer, source, device="cpu", dt
     group_size), each Linear is quantized (weight_quant.linear_quantizer) as soon as its
     weight is in: the float weights of the whole model never exist at once (ValueError where
     the scheme cannot apply, before any weight is read). state_dict is emptied as it is
-    read, so that a converted tensor's file pages are let go."""
+    read, so that a converted tensor's file pages are let go. show_progress: a line on a
+    terminal's stderr says how far the loading is (plumbing/progress.py)."""
     if config.family not in classes:
         raise CheckpointError(f"{source}: a {config.family}-family model, which this command does "
                               f"not run (it runs {', '.join(classes)})")
     check_tokenizer_fits(tokenizer, config, source)
+    dtype_name = str(dtype).removeprefix("torch.")
+    check_fits_in_memory(*model_memory(config, quantize or dtype_name, dtype_name), source)
     check_layer_count(state_dict, config, source)
     tie_output_layer(state_dict, config)
     with torch.device("meta"):
         model = classes[config.family](config)
     check_weights(state_dict, model.state_dict(), source, config)
     replace_linear = None if quantize is None else linear_quantizer(model, quantize, group_size)
-    fill_model(model, state_dict, source, device, dtype, replace_linear)
+    what = f"loading {source}" + (f" (quantizing to {quantize})" if quantize else "")
+    with Progress(what, file_bytes(state_dict), show_progress) as progress:
+        fill_model(model, state_dict, source, device, dtype, replace_linear, progress)
     return model.eval()
 
 
-def fill_model(model, state_dict, source, device, dtype, replace_linear=None):
+def file_bytes(state_dict):
+    """Bytes the state dict's tensors hold, a tensor named twice (a tied lm_head) once."""
+    return sum({id(t): t.nbytes for t in state_dict.values()}.values())
+
+
+def fill_model(model, state_dict, source, device, dtype, replace_linear=None, progress=None):
     """Give a meta-built model its tensors, one module at a time, each checked (check_values)
     and then moved to device and dtype; replace_linear(linear) -> module, when given, is
     installed in each Linear's place once the Linear is loaded. A tensor already there (a
     memory-mapped file's, in the run's dtype) is assigned as it lies: its pages are the
     weights, no copy. Any other is converted alone, so that at most one tensor exists twice
-    while loading."""
+    while loading. progress: a plumbing.progress.Progress, told the bytes of each module read."""
     tied = tied_embedding(model)
     for name in [name for name, _ in model.named_modules()]:
         module = model.get_submodule(name)  # by name: a replaced Linear must not stay referenced
         if module is model.lm_head and tied is not None:
             module.weight = tied.weight  # assigning the embedding made it a new Parameter: tie again
         else:
-            load_own_tensors(module, name, state_dict, source, device, dtype)
+            nbytes = load_own_tensors(module, name, state_dict, source, device, dtype)
+            if progress is not None:
+                progress.advance(nbytes)
         if replace_linear is not None and isinstance(module, nn.Linear):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, replace_linear(module))
@@ -230,15 +244,18 @@ def fill_model(model, state_dict, source, device, dtype, replace_linear=None):
 
 
 def load_own_tensors(module, name, state_dict, source, device, dtype):
-    """Assign a module's own parameters (not its children's) from state_dict, popping them."""
+    """Assign a module's own parameters (not its children's) from state_dict, popping them;
+    returns the bytes they held in the file."""
     prefix = f"{name}." if name else ""
-    own = {}
+    own, nbytes = {}, 0
     for key, _ in module.named_parameters(recurse=False):
         tensor = state_dict.pop(prefix + key)
         check_values({prefix + key: tensor}, source)
+        nbytes += tensor.nbytes
         own[key] = tensor.to(device=device, dtype=dtype)  # the same tensor where it already is
     if own:
         module.load_state_dict(own, strict=False, assign=True)
+    return nbytes
 
 
 def tied_embedding(model):
@@ -323,7 +340,7 @@ FLOAT_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def load_model(classes, path=None, device="cpu", dtype=torch.float32, report=print,
-               quantize=None, group_size=None):
+               quantize=None, group_size=None, show_progress=True):
     """Build a model from a checkpoint, with classes[family] (NAIVE_MODELS, or
     kv_cache.CACHED_MODELS); returns (model, tokenizer).
 
@@ -340,7 +357,8 @@ def load_model(classes, path=None, device="cpu", dtype=torch.float32, report=pri
     state_dict = clean_state_dict(state_dict)
     config = make_config(config_dict, state_dict, path)
     tokenizer = encoding_from_spec(tokenizer_spec, path)
-    model = build_model(classes, config, state_dict, tokenizer, path, device, dtype, quantize, group_size)
+    model = build_model(classes, config, state_dict, tokenizer, path, device, dtype, quantize, group_size,
+                        show_progress)
     report(f"loaded {path} ({describe(model)}, tokenizer {tokenizer.name}, {tokenizer.n_vocab} tokens)")
     if dtype_line:
         report(dtype_line)
