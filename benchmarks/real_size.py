@@ -238,10 +238,11 @@ def real_size(args):
     with open(folder / "runs.log", "w") as log:
         for name in args.formats:
             flags, _, outtype = FORMATS[name]
-            runs[f"ours {name}"] = lambda flags=flags: run_ours(hf_dir, flags, log)
+            runs[f"ours {name}"] = said(f"ours {name}", lambda flags=flags: run_ours(hf_dir, flags, log))
             if binary is not None:
                 gguf = gguf_for(folder, hf_dir, outtype)
-                runs[f"llama.cpp {outtype}"] = lambda gguf=gguf: run_llama_server(binary, gguf, log, threads)
+                runs[f"llama.cpp {outtype}"] = said(f"llama.cpp {outtype}",
+                                                    lambda gguf=gguf: run_llama_server(binary, gguf, log, threads))
         measured = alternate(runs, args.reps)
     rows = []
     for name in args.formats:
@@ -257,6 +258,15 @@ def real_size(args):
             "cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "llama_cpp_note": llama_note, "rows": rows,
             "hf_dir_bytes": sum(f.stat().st_size for f in hf_dir.iterdir())}
+
+
+def said(name, run_once):
+    """run_once, its figures said on stderr as each run ends: a run of this benchmark is long."""
+    def run_and_say():
+        first_token, peak = run_once()
+        print(f"{name}: first token {first_token:.1f} s, peak {format_bytes(peak)}", file=sys.stderr, flush=True)
+        return first_token, peak
+    return run_and_say
 
 
 def summary(results):

@@ -216,8 +216,9 @@ def build_model(classes, config, state_dict, tokenizer, source, device="cpu", dt
 
 
 def file_bytes(state_dict):
-    """Bytes the state dict's tensors hold, a tensor named twice (a tied lm_head) once."""
-    return sum({id(t): t.nbytes for t in state_dict.values()}.values())
+    """Bytes the state dict's tensors hold, a tensor named twice (a tied lm_head) once (as
+    dense tensors: a sparse one, which the checks refuse, has no nbytes)."""
+    return sum({id(t): t.numel() * t.element_size() for t in state_dict.values()}.values())
 
 
 def fill_model(model, state_dict, source, device, dtype, replace_linear=None, progress=None):
