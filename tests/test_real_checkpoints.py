@@ -2,7 +2,7 @@
 directory; the finiteness check reads a bf16 table in chunks (no float32 copy of it) and
 still finds a NaN in the last chunk; bf16 Linear weights stay in the file's row-major layout;
 the loading progress line shows on a terminal only; the memory check sizes the run's own
-format. Tiny shapes: a few seconds each."""
+format; export_gguf's bf16 holds bf16's values. Tiny shapes: a few seconds each."""
 
 import io
 
@@ -75,3 +75,14 @@ def test_memory_check_sizes_the_runs_format():
     fp32, _ = model_memory(c, "float32", "float32")
     int4, what = model_memory(c, "int4", "bfloat16")
     assert fp32 > 32e9 and 6e9 < int4 < 8e9 and "in int4" in what
+
+
+def test_gguf_bf16_holds_the_bf16_values():
+    gguf = pytest.importorskip("gguf")
+    from export_gguf import encode_tensor
+    weight = torch.randn(4, 64)
+    data, kind = encode_tensor("blk.0.ffn_up.weight", weight.numpy(), "bf16", gguf)
+    assert kind == gguf.GGMLQuantizationType.BF16
+    # bfloat16 is float32's top half: the file's bytes, widened back, are torch's rounding exactly
+    back = torch.from_numpy(data.copy()).view(torch.bfloat16).reshape(4, 64)
+    assert torch.equal(back, weight.to(torch.bfloat16))
