@@ -4,7 +4,7 @@ and with it ollama, LM Studio and llama-cpp-python, under llama.cpp's own archit
 the model: 'gpt2', or for a Llama-style checkpoint 'llama' ('qwen2' with biases on q, k, v;
 'qwen3' with q/k norms):
 
-    python export_gguf.py [CKPT] OUT.gguf [--outtype f32|f16|q8_0]
+    python export_gguf.py [CKPT] OUT.gguf [--outtype f32|f16|bf16|q8_0|q4_0]
     python export_gguf.py --hf DIR OUT.gguf
     llama-completion -m OUT.gguf -p "ROMEO:" -n 100     (llama.cpp; older builds: llama-cli)
 
@@ -40,8 +40,8 @@ from plumbing.checkpoint import NAIVE_MODELS  # noqa: E402
 from plumbing.cli import ArgumentParser, load_source  # noqa: E402
 from plumbing.outputs import MARK, check_output_path, write_atomically  # noqa: E402
 
-OUTTYPES = ("f32", "f16", "q8_0", "q4_0")
-QUANTIZED = {"q8_0": "Q8_0", "q4_0": "Q4_0"}  # outtype -> gguf.GGMLQuantizationType
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+QUANTIZED = {"bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0"}  # outtype -> gguf.GGMLQuantizationType (gguf.quants encodes it)
 # PyTorch's nn.LayerNorm default, which base_model uses; llama.cpp has no default for it
 LAYER_NORM_EPS = 1e-5
 # our parameter name -> llama.cpp's tensor (gguf.MODEL_TENSOR), per block and global:
@@ -187,7 +187,7 @@ def add_metadata(writer, model, tokenizer, outtype, name, gguf):
     # (cli.check_output_path); a GGUF downloaded from elsewhere never carries it
     writer.add_description(f"exported by {MARK} export_gguf.py")
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                          "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
                           "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[outtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if c.family == "llama":
@@ -262,7 +262,7 @@ def main():
                         "one is replaced only if an earlier export wrote it")
     parser.add_argument("--hf", metavar="DIR", help="export a local Hugging Face GPT-2 directory instead")
     parser.add_argument("--outtype", choices=OUTTYPES, default="f32",
-                        help="f32: exact; f16: half the size; q8_0: 8-bit blocks, about a quarter; "
+                        help="f32: exact; f16, bf16: half the size; q8_0: 8-bit blocks, about a quarter; "
                         "q4_0: 4-bit blocks, about an eighth (norms, biases and positions stay "
                         "f32) (default: f32)")
     args = parser.parse_args()

@@ -209,20 +209,28 @@ class Int4Linear(QuantizedLinear):
         self.set_weight(linear.weight.detach())
 
     def set_weight(self, weight):
-        q, scale, zero = quantize_int4(weight, self.group_size)
-        scale_and_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1)  # (groups, out, 2)
-        if self.use_cpu_kernel:
-            pad = -self.out_features % 16  # padded rows are computed and sliced off
-            q = F.pad(q, (0, 0, 0, pad))
-            scale_and_zero = F.pad(scale_and_zero, (0, 0, 0, pad))
-            # the kernel packs each row on its own and takes int32 (4 bytes a weight): a chunk at a time
-            packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[rows].to(torch.int32), 2)
-                                for rows in row_chunks(q)])
-        else:
-            packed = q[:, 0::2] | (q[:, 1::2] << 4)  # (out, in / 2): weights 2i and 2i+1 share a byte
+        # a chunk of rows at a time, quantized and packed into the final buffers: the whole
+        # matrix's one-byte codes (and the kernel's int32 input, 4 bytes a weight) would be
+        # 263 MB (1 GB) more for a 128256 x 2048 output layer
+        cpu = self.use_cpu_kernel
+        pad = -self.out_features % 16 if cpu else 0  # padded rows are computed and sliced off
+        packed = torch.empty(self.out_features + pad, self.in_features // 2, dtype=torch.uint8,
+                             device=weight.device)
+        scale_and_zero = torch.empty(self.out_features + pad, self.in_features // self.group_size, 2,
+                                     dtype=self.compute_dtype, device=weight.device)  # (out, groups, 2)
+        for rows in row_chunks(weight):
+            q, scale, zero = quantize_int4(weight[rows], self.group_size)
+            if rows.stop >= self.out_features:  # the last chunk takes the padding
+                rows = slice(rows.start, self.out_features + pad)
+                q, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (q, scale, zero))
+            # the kernel packs blocks of rows and takes int32; the portable layout keeps two
+            # weights a byte, 2i and 2i+1, low nibble first
+            packed[rows] = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2) if cpu
+                            else q[:, 0::2] | (q[:, 1::2] << 4))
+            scale_and_zero[rows] = torch.stack([scale, zero], dim=-1)
         self.register_buffer("weight_int4", packed, persistent=False)
-        self.register_buffer("scale_and_zero", scale_and_zero.to(self.compute_dtype).contiguous(),
-                             persistent=False)
+        self.register_buffer("scale_and_zero", scale_and_zero.transpose(0, 1).contiguous(),
+                             persistent=False)  # (groups, out, 2): the kernel's order
 
     def matmul(self, x):
         if self.use_cpu_kernel:

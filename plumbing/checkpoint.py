@@ -25,7 +25,9 @@ import torch.nn as nn
 from base_model import GPT
 from llama import Llama, rope_frequencies
 from plumbing.files import read_checkpoint
+from plumbing.memory import check_fits_in_memory, model_memory
 from plumbing.model_config import LAYER_KEY, layer_indices, make_config
+from plumbing.progress import Progress
 from plumbing.script import CheckpointError, short_repr
 from plumbing.tokenizer import encoding_from_spec
 from weight_quant import linear_quantizer
@@ -113,8 +115,9 @@ def check_layer_count(state_dict, config, source):
 
 def check_values(state_dict, source):
     """Every tensor dense, floating-point and finite; the first one that is not is named.
-    Finiteness takes one read per tensor: a sum (accumulated in fp32) is finite exactly
-    when every value is, unless the sum overflows, and only then is each value tested.
+    Finiteness takes one read per tensor: a sum (accumulated in fp32, chunk by chunk:
+    all_sums_finite) is finite exactly when every value is, unless the sum overflows, and
+    only then is each value tested.
     Measured on this project's 2-core VM (one thread, best of 7): 5 ms for the bundled
     model (5.85M fp16 values), 150 ms for GPT-2 small (124M fp32), next to 0.3 s to
     torch.load the first and seconds to build the second. (torch.isfinite(t).all() writes
@@ -128,12 +131,24 @@ def check_values(state_dict, source):
         if not value.is_floating_point() or value.layout != torch.strided:
             raise CheckpointError(f"{source}: {key} holds {value.dtype} values ({value.layout}); "
                                   "weights must be dense floating-point tensors")
-        if math.isfinite(value.sum(dtype=torch.float32).item()):
+        if all_sums_finite(value):
             continue
         bad = int((~torch.isfinite(value)).sum())
         if bad:
             raise CheckpointError(f"{source}: {key} holds {bad:,} NaN or infinite value(s) of "
                                   f"{value.numel():,}: the file is damaged or its training diverged")
+
+
+FINITE_CHECK_CHUNK = 1 << 22  # values summed at once: a 16 MB float32 temporary at most
+
+
+def all_sums_finite(value):
+    """Whether the fp32 sum of every chunk of `value` is finite. In chunks: sum(dtype=float32)
+    of a bfloat16 tensor first converts all of it to float32 (measured: +1 GB for Llama-3.2-1B's
+    embedding, more than the table itself, on top of it)."""
+    flat = value.reshape(-1)  # a view: a file's tensors are contiguous
+    return all(math.isfinite(chunk.sum(dtype=torch.float32).item())
+               for chunk in flat.split(FINITE_CHECK_CHUNK))
 
 
 def check_weights(state_dict, expected, source, config):
@@ -168,7 +183,7 @@ def check_tokenizer_fits(tokenizer, config, source):
 # ---------------------------------------------------------------------------- loading
 
 def build_model(classes, config, state_dict, tokenizer, source, device="cpu", dtype=torch.float32,
-                quantize=None, group_size=None):
+                quantize=None, group_size=None, show_progress=True):
     """The model of config's family, built by classes[family] (NAIVE_MODELS, or
     kv_cache.CACHED_MODELS) and holding state_dict on `device` in `dtype`, once everything
     about it is checked: the tokenizer fits the vocabulary, (before the model's n layers are
@@ -180,35 +195,48 @@ def build_model(classes, config, state_dict, tokenizer, source, device="cpu", dt
     group_size), each Linear is quantized (weight_quant.linear_quantizer) as soon as its
     weight is in: the float weights of the whole model never exist at once (ValueError where
     the scheme cannot apply, before any weight is read). state_dict is emptied as it is
-    read, so that a converted tensor's file pages are let go."""
+    read, so that a converted tensor's file pages are let go. show_progress: a line on a
+    terminal's stderr says how far the loading is (plumbing/progress.py)."""
     if config.family not in classes:
         raise CheckpointError(f"{source}: a {config.family}-family model, which this command does "
                               f"not run (it runs {', '.join(classes)})")
     check_tokenizer_fits(tokenizer, config, source)
+    dtype_name = str(dtype).removeprefix("torch.")
+    check_fits_in_memory(*model_memory(config, quantize or dtype_name, dtype_name), source)
     check_layer_count(state_dict, config, source)
     tie_output_layer(state_dict, config)
     with torch.device("meta"):
         model = classes[config.family](config)
     check_weights(state_dict, model.state_dict(), source, config)
     replace_linear = None if quantize is None else linear_quantizer(model, quantize, group_size)
-    fill_model(model, state_dict, source, device, dtype, replace_linear)
+    what = f"loading {source}" + (f" (quantizing to {quantize})" if quantize else "")
+    with Progress(what, file_bytes(state_dict), show_progress) as progress:
+        fill_model(model, state_dict, source, device, dtype, replace_linear, progress)
     return model.eval()
 
 
-def fill_model(model, state_dict, source, device, dtype, replace_linear=None):
+def file_bytes(state_dict):
+    """Bytes the state dict's tensors hold, a tensor named twice (a tied lm_head) once (as
+    dense tensors: a sparse one, which the checks refuse, has no nbytes)."""
+    return sum({id(t): t.numel() * t.element_size() for t in state_dict.values()}.values())
+
+
+def fill_model(model, state_dict, source, device, dtype, replace_linear=None, progress=None):
     """Give a meta-built model its tensors, one module at a time, each checked (check_values)
     and then moved to device and dtype; replace_linear(linear) -> module, when given, is
     installed in each Linear's place once the Linear is loaded. A tensor already there (a
     memory-mapped file's, in the run's dtype) is assigned as it lies: its pages are the
     weights, no copy. Any other is converted alone, so that at most one tensor exists twice
-    while loading."""
+    while loading. progress: a plumbing.progress.Progress, told the bytes of each module read."""
     tied = tied_embedding(model)
     for name in [name for name, _ in model.named_modules()]:
         module = model.get_submodule(name)  # by name: a replaced Linear must not stay referenced
         if module is model.lm_head and tied is not None:
             module.weight = tied.weight  # assigning the embedding made it a new Parameter: tie again
         else:
-            load_own_tensors(module, name, state_dict, source, device, dtype)
+            nbytes = load_own_tensors(module, name, state_dict, source, device, dtype)
+            if progress is not None:
+                progress.advance(nbytes)
         if replace_linear is not None and isinstance(module, nn.Linear):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, replace_linear(module))
@@ -217,15 +245,18 @@ def fill_model(model, state_dict, source, device, dtype, replace_linear=None):
 
 
 def load_own_tensors(module, name, state_dict, source, device, dtype):
-    """Assign a module's own parameters (not its children's) from state_dict, popping them."""
+    """Assign a module's own parameters (not its children's) from state_dict, popping them;
+    returns the bytes they held in the file."""
     prefix = f"{name}." if name else ""
-    own = {}
+    own, nbytes = {}, 0
     for key, _ in module.named_parameters(recurse=False):
         tensor = state_dict.pop(prefix + key)
         check_values({prefix + key: tensor}, source)
+        nbytes += tensor.nbytes
         own[key] = tensor.to(device=device, dtype=dtype)  # the same tensor where it already is
     if own:
         module.load_state_dict(own, strict=False, assign=True)
+    return nbytes
 
 
 def tied_embedding(model):
@@ -262,16 +293,24 @@ def tie_output_layer(state_dict, config):
 
 # ---------------------------------------------------------------------------- --dtype auto
 
-def auto_dtype(saved, device):
+def auto_dtype(saved, device, quantize=None):
     """(dtype, why): the dtype a checkpoint saved as `saved` runs in on `device` under
     --dtype auto: its own, where this device computes it at least as fast as float32.
     On a CPU, torch's bfloat16 (and float16) matrix-vector product makes a decode step
     slower than float32's, so a half-precision checkpoint computes in float32 there: each
     tensor is converted as it is read, one float32 copy (twice the file), the size of the
-    float32 format itself. A GPU keeps bfloat16 and float16."""
+    float32 format itself. A GPU keeps bfloat16 and float16.
+    quantize ("int8", "int4"): on a CPU the quantized Linears compute in bfloat16 whatever
+    the model's dtype (weight_quant.KERNEL_DTYPE), so a half-precision checkpoint stays in
+    bfloat16 there: what is left in float (the embedding, the norms, an untied output layer)
+    keeps the file's size instead of doubling (Llama-3-8B's embedding and head: 2.1 GB
+    in bfloat16, 4.2 GB in float32)."""
     if saved == torch.float32:
         return saved, "the checkpoint's own"
     name = str(saved).removeprefix("torch.")
+    if device.type == "cpu" and quantize is not None:
+        return torch.bfloat16, (f"the checkpoint is {name} and --quantize {quantize}'s kernels "
+                                "compute in bfloat16 on a CPU: what stays float stays bfloat16")
     if device.type == "cpu":
         return torch.float32, (f"the checkpoint is {name}, which decodes slower than float32 on a "
                                "CPU; converted while loading: one float32 copy, twice the file")
@@ -280,12 +319,12 @@ def auto_dtype(saved, device):
     return saved, "the checkpoint's own"
 
 
-def resolve_dtype(dtype, saved, device):
+def resolve_dtype(dtype, saved, device, quantize=None):
     """(dtype, the line to say or None): dtype itself, or for "auto" auto_dtype's pick, said
     in one line where the checkpoint is not float32 (a float32 one runs as it always did)."""
     if dtype != "auto":
         return dtype, None
-    dtype, why = auto_dtype(saved, torch.device(device))
+    dtype, why = auto_dtype(saved, torch.device(device), quantize)
     if saved == torch.float32:
         return dtype, None
     return dtype, f"dtype {str(dtype).removeprefix('torch.')} ({why}; --dtype chooses another)"
@@ -302,7 +341,7 @@ FLOAT_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def load_model(classes, path=None, device="cpu", dtype=torch.float32, report=print,
-               quantize=None, group_size=None):
+               quantize=None, group_size=None, show_progress=True):
     """Build a model from a checkpoint, with classes[family] (NAIVE_MODELS, or
     kv_cache.CACHED_MODELS); returns (model, tokenizer).
 
@@ -314,12 +353,13 @@ def load_model(classes, path=None, device="cpu", dtype=torch.float32, report=pri
     path = default_checkpoint() if path is None else path
     obj = read_checkpoint(path)
     state_dict, config_dict, tokenizer_spec = split_checkpoint(obj, path)
-    dtype, dtype_line = resolve_dtype(dtype, saved_dtype(obj), device)
+    dtype, dtype_line = resolve_dtype(dtype, saved_dtype(obj), device, quantize)
     del obj  # the state dict alone holds the file's tensors, and lets go of each once it is in
     state_dict = clean_state_dict(state_dict)
     config = make_config(config_dict, state_dict, path)
     tokenizer = encoding_from_spec(tokenizer_spec, path)
-    model = build_model(classes, config, state_dict, tokenizer, path, device, dtype, quantize, group_size)
+    model = build_model(classes, config, state_dict, tokenizer, path, device, dtype, quantize, group_size,
+                        show_progress)
     report(f"loaded {path} ({describe(model)}, tokenizer {tokenizer.name}, {tokenizer.n_vocab} tokens)")
     if dtype_line:
         report(dtype_line)

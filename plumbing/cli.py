@@ -76,7 +76,8 @@ def add_model_args(parser):
     parser.add_argument("--dtype", default="auto", choices=["auto", *FLOAT_DTYPES],
                         help="weights and activations; auto: the checkpoint's own where this device "
                         "computes it as fast as float32, else float32 (on a CPU a bfloat16 or float16 "
-                        "checkpoint runs in float32); one line on stderr says which (default: auto)")
+                        "checkpoint runs in float32, in bfloat16 with --quantize); one line on stderr "
+                        "says which (default: auto)")
     parser.add_argument("--seed", type=seed_int, default=1337,
                         help=f"random seed, 0..{SEED_RANGE[-1]} (default: 1337)")
     parser.add_argument("--quantize", default="none", choices=["none", *SCHEMES],
@@ -120,26 +121,30 @@ def load_from_args(classes, args):
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     torch.manual_seed(args.seed)
-    model, tokenizer = load_source(classes, args.ckpt, args.hf, device, dtype, quantize_args=args)
+    model, tokenizer = load_source(classes, args.ckpt, args.hf, device, dtype, quantize_args=args,
+                                   show_progress=not getattr(args, "json", False))
     return prepare_for_generation(model, args), tokenizer, device
 
 
 def load_source(classes, ckpt=None, hf=None, device="cpu", dtype=torch.float32, report=None,
-                quantize_args=None):
+                quantize_args=None, show_progress=True):
     """A model (classes[family]) from a checkpoint file (None: the default chain) or, when hf
     is given, a Hugging Face directory: (model, tokenizer). The one place a command chooses
     between the two loaders; report(line) receives the line saying what was loaded
     (default: stderr). quantize_args: the parsed --quantize and --group-size, applied to
-    each Linear as it is loaded."""
+    each Linear as it is loaded. show_progress: a line on a terminal says how far loading is
+    (plumbing/progress.py; off for --json)."""
     if report is None:
         def report(line):
             print(line, file=sys.stderr)
     scheme = quantize_args.quantize if quantize_args is not None else "none"
-    quantize = {} if scheme == "none" else {"quantize": scheme, "group_size": quantize_args.group_size}
+    options = {"show_progress": show_progress}
+    if scheme != "none":
+        options.update(quantize=scheme, group_size=quantize_args.group_size)
     try:
         if hf is not None:  # "" is refused by the loader, not taken for "no --hf"
-            return load_hf_model(classes, hf, device=device, dtype=dtype, report=report, **quantize)
-        return load_model(classes, ckpt, device=device, dtype=dtype, report=report, **quantize)
+            return load_hf_model(classes, hf, device=device, dtype=dtype, report=report, **options)
+        return load_model(classes, ckpt, device=device, dtype=dtype, report=report, **options)
     except UserError:
         raise
     except ValueError as e:  # the scheme does not apply to this model's widths

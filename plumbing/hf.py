@@ -187,7 +187,7 @@ def to_our_state_dict(hf_state_dict):
 # ---------------------------------------------------------------------------- loading
 
 def load_hf_model(classes, path, device="cpu", dtype=torch.float32, report=print,
-                  quantize=None, group_size=None):
+                  quantize=None, group_size=None, show_progress=True):
     """Build a model from a Hugging Face directory, with classes[family] (checkpoint.NAIVE_MODELS,
     or kv_cache.CACHED_MODELS): (model, tokenizer). Same contract and the same checks as
     checkpoint.load_model (dtype "auto": config.json's torch_dtype, see checkpoint.auto_dtype);
@@ -200,14 +200,15 @@ def load_hf_model(classes, path, device="cpu", dtype=torch.float32, report=print
                               "--hf expects a Hugging Face directory of GPT-2, Llama, Mistral, Qwen2 or "
                               "Qwen3 (config.json + weights + tokenizer files)")
     hf, config = read_config(path)
-    dtype, dtype_line = resolve_dtype(dtype, config_dtype(hf), device)
+    dtype, dtype_line = resolve_dtype(dtype, config_dtype(hf), device, quantize)
     if config.family == "llama":  # our names are theirs: nothing to convert
         state_dict, tokenizer = clean_state_dict(read_weights(path)), llama_tokenizer(path, hf)
     else:
         state_dict = to_our_state_dict(read_weights(path))
         # without its own tokenizer files a GPT-2 directory uses GPT-2's: tiktoken's 'gpt2'
         tokenizer = tokenizer_from_files(path) or named_encoding("gpt2", path)
-    model = build_model(classes, config, state_dict, tokenizer, path, device, dtype, quantize, group_size)
+    model = build_model(classes, config, state_dict, tokenizer, path, device, dtype, quantize, group_size,
+                        show_progress)
     report(f"loaded Hugging Face {hf['model_type']} {path} ({describe(model)}, "
            f"tokenizer {tokenizer.name}, {tokenizer.n_vocab} tokens)")
     if dtype_line:

@@ -113,10 +113,16 @@ def block_linear_shapes(c):
 
 
 def quantized_linear_shapes(c):
-    """(out, in) of every Linear weight_quant.quantize_model replaces: every block's, and
-    the output layer when it is tied to the embedding (an untied one stays float)."""
-    tied = c.family == "gpt" or c.tie_embeddings
-    return c.n_layer * block_linear_shapes(c) + ([(c.vocab_size, c.n_embd)] if tied else [])
+    """{(out, in): how many} of the Linear weights weight_quant.quantize_model replaces:
+    every block's, and the output layer when it is tied to the embedding (an untied one
+    stays float). Counted, not listed: a config of a billion layers is refused by the
+    memory check, which must not build a list of seven billion shapes first."""
+    counts = {}
+    for shape in block_linear_shapes(c):
+        counts[shape] = counts.get(shape, 0) + c.n_layer
+    if c.family == "gpt" or c.tie_embeddings:
+        counts[(c.vocab_size, c.n_embd)] = counts.get((c.vocab_size, c.n_embd), 0) + 1
+    return counts
 
 
 def int4_group_size_for(c):
@@ -144,10 +150,10 @@ def weight_bytes(c, weights_dtype):
     quantized = quantized_linear_shapes(c)
     float_params = parameter_count(c) - c.n_layer * sum(o * i for o, i in block_linear_shapes(c))
     if weights_dtype == "int8":
-        codes = sum(o * i + o * SCALE_BYTES for o, i in quantized)
+        codes = sum(n * (o * i + o * SCALE_BYTES) for (o, i), n in quantized.items())
     else:
         group = int4_group_size_for(c)
-        codes = sum(o * i // 2 + o * (i // group) * 2 * SCALE_BYTES for o, i in quantized)
+        codes = sum(n * (o * i // 2 + o * (i // group) * 2 * SCALE_BYTES) for (o, i), n in quantized.items())
     return float_params * FLOAT_WEIGHT_BYTES["bfloat16"] + codes
 
 
@@ -172,17 +178,20 @@ def peak_rss_bytes():
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def model_memory(c):
-    """(bytes, what) to build and run a model of config c: fp32 weights (the load
-    precision), the module objects, a whole-context prefill's causal mask (context_len^2
-    bools) and one row's fp32 KV cache over the whole context (kv_quant.cache_bytes).
-    Not the mask for the Llama family: their contexts run to 128k positions (a 16 GB mask),
-    and a pass builds the mask of the tokens it feeds, never the whole context's."""
-    weights = 4 * parameter_count(c) + c.n_layer * BYTES_PER_BLOCK_OBJECTS
+def model_memory(c, weights_format="float32", cache_dtype="float32"):
+    """(bytes, what) to build and run a model of config c: its weights in weights_format
+    (weight_bytes: a float dtype's name, "int8" or "int4"), the module objects, a
+    whole-context prefill's causal mask (context_len^2 bools) and one row's KV cache in
+    cache_dtype over the whole context (kv_quant.cache_bytes). Not the mask for the Llama
+    family: their contexts run to 128k positions (a 16 GB mask), and a pass builds the mask
+    of the tokens it feeds, never the whole context's. A config alone is checked in its
+    smallest form (int4, a bfloat16 cache: what no loader can make fit is refused before
+    anything is read); the loader checks again in the run's own format (checkpoint.build_model)."""
+    weights = weight_bytes(c, weights_format) + c.n_layer * BYTES_PER_BLOCK_OBJECTS
     mask = c.context_len ** 2 if c.family == "gpt" else 0
-    context = mask + cache_bytes(c, c.context_len, 1, "float32")
-    what = (f"this model ({parameter_count(c):,} parameters: {format_bytes(weights)}; a "
-            f"{c.context_len:,}-position context: {format_bytes(context)} of mask and KV cache)")
+    context = mask + cache_bytes(c, c.context_len, 1, cache_dtype)
+    what = (f"this model ({parameter_count(c):,} parameters: {format_bytes(weights)} in {weights_format}; "
+            f"a {c.context_len:,}-position context: {format_bytes(context)} of mask and KV cache)")
     return weights + context, what
 
 

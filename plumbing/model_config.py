@@ -16,6 +16,10 @@ import re
 from base_model import GPTConfig
 from llama import ROPE_TYPES, LlamaConfig
 from plumbing.memory import check_fits_in_memory, model_memory
+
+# the least a loader can make of a model (weights, cache): a config that does not fit even
+# so is refused here; checkpoint.build_model checks the run's own form again
+SMALLEST_FORM = ("int4", "bfloat16")
 from plumbing.script import CheckpointError, short_repr
 
 SHAPE_FIELDS = ("context_len", "vocab_size", "n_layer", "n_head", "n_embd")
@@ -76,7 +80,7 @@ def gpt_config_from_dict(fields, source, names):
         raise CheckpointError(f"{source}: the model config's n_embd ({fields['n_embd']}) is not "
                               f"divisible by n_head ({fields['n_head']})")
     config = GPTConfig(**{name: fields[name] for name in SHAPE_FIELDS}, dropout=float(dropout), bias=bias)
-    check_fits_in_memory(*model_memory(config), source)
+    check_fits_in_memory(*model_memory(config, *SMALLEST_FORM), source)
     return config
 
 
@@ -122,7 +126,7 @@ def llama_config_from_dict(fields, source, names):
                          rope_theta=float(fields.get("rope_theta", 10000.0)), rope_scaling=scaling,
                          norm_eps=float(fields.get("norm_eps", 1e-5)),
                          **{f: fields.get(f, False) for f in LLAMA_BOOL_FIELDS})
-    check_fits_in_memory(*model_memory(config), source)
+    check_fits_in_memory(*model_memory(config, *SMALLEST_FORM), source)
     return config
 
 

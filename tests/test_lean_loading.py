@@ -303,6 +303,18 @@ def test_auto_dtype_table(monkeypatch, saved, device, bf16_supported, chosen):
     assert isinstance(why, str) and why
 
 
+@pytest.mark.parametrize("saved, device, chosen", [
+    (torch.bfloat16, CPU, torch.bfloat16),  # the int kernels compute in bf16: the rest stays bf16
+    (torch.float16, CPU, torch.bfloat16),
+    (torch.float32, CPU, torch.float32),    # a float32 checkpoint is not made smaller
+    (torch.bfloat16, MPS, torch.bfloat16),
+])
+def test_auto_dtype_with_quantize(saved, device, chosen):
+    dtype, why = auto_dtype(saved, device, quantize="int4")
+    assert dtype == chosen
+    assert isinstance(why, str) and why
+
+
 @pytest.mark.parametrize("requested, saved, chosen, says", [
     ("auto", torch.float32, torch.float32, False),   # a float32 checkpoint runs as it always did
     ("auto", torch.bfloat16, torch.float32, True),
