@@ -8,8 +8,9 @@ draws.
 
 The routes of forward, the first that takes the batch:
 
-    lone step      one request decoding alone (with compile): generation/compiled_step.py's
-                   static step on a dense cache of one row (lone_step.py)
+    lone step      one request decoding alone (with compile, over a pool in the model's
+                   dtype): generation/compiled_step.py's static step on a dense cache of one
+                   row (lone_step.py)
     compiled step  a decode pass, and with compile a short prefill fed one row per token
                    (attention "kernel"): paged_attention.py's step, compiled whole, its
                    index tensors kept from step to step (decode_index.py)
