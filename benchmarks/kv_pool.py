@@ -22,10 +22,14 @@ The serving pool stored as each kv dtype (serve.py --kv-dtype), measured three w
               all at once, through the engine in-process with its default decode step
               (benchmarks/serving.py's continuous mode), a pool of serve.py's default size per
               dtype; the model's dtype is run first and again last, to show the noise
+4. kernel     the hand-written paged kernel (serving/paged_attention.cpp, serve.py --compile's)
+              alone over one layer of a pool of each dtype: --requests sequences of
+              --length columns, the median of repeated calls
 """
 
 import json
 import math
+import statistics
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -38,13 +42,14 @@ if __name__ == "__main__":  # run as a command; importing this file changes noth
 import torch  # noqa: E402
 
 from kv_cache import CACHED_MODELS  # noqa: E402
-from kv_quant import cache_bytes, dtype_name  # noqa: E402
+from kv_quant import cache_bytes, dtype_name, storage_format  # noqa: E402
 from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
 from plumbing.scoring import score_windows  # noqa: E402
 from plumbing.outputs import check_output_path, publish_result  # noqa: E402
 from plumbing.text_input import encode_user_text, read_text  # noqa: E402
 from serving.admission import Limits  # noqa: E402
 from serving.engine import Engine, SamplingParams  # noqa: E402
+from serving.paged_attention import hand_written_kernel  # noqa: E402
 
 POOL_DTYPES = ("bfloat16", "int8", "int4")  # after the model's own
 GREEDY = dict(temperature=0, stop_at_eot=False)
@@ -157,6 +162,32 @@ def throughput(model, tokenizer, args):
             "rows": rows}
 
 
+# ---------------------------------------------------------------------------- 4. kernel
+
+def kernel_speed(model, tokenizer, args, reps=30):
+    """ms per call of the hand-written kernel over one layer, per pool dtype."""
+    c, kernel = model.config, hand_written_kernel()
+    g = torch.Generator().manual_seed(0)
+    slots = args.requests * args.length
+    values = torch.randn(2, slots, c.n_kv_head, c.head_dim, generator=g)
+    q = torch.randn(args.requests, c.n_head, 1, c.head_dim, generator=g)
+    read_slots = torch.randperm(slots, generator=g).view(args.requests, args.length)  # scattered
+    visible = torch.ones(args.requests, args.length, dtype=torch.bool)
+    rows = []
+    for kv_dtype in ("float32", "int8", "int4"):
+        fmt = storage_format(kv_dtype, c.head_dim, torch.float32)
+        stored = fmt.encode(values)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            kernel(q, stored[0], stored[1], read_slots, visible, fmt)
+            times.append(time.perf_counter() - t0)
+        rows.append({"kv_dtype": kv_dtype, "ms": 1e3 * statistics.median(times),
+                     "bytes_read": stored.nbytes})
+        print(f"  {kv_dtype}: {rows[-1]['ms']:.3f} ms", flush=True)
+    return {"sequences": args.requests, "columns": args.length, "rows": rows}
+
+
 # ---------------------------------------------------------------------------- report
 
 def print_report(r):
@@ -185,6 +216,14 @@ def print_report(r):
                   f"{row['bits_per_char'] - base['bits_per_char']:+.4f} | {row['nats_per_token']:.4f} |")
     if "throughput" in r:
         print_throughput(r["throughput"])
+    if "kernel" in r:
+        k = r["kernel"]
+        print(f"\n## The hand-written paged kernel, one layer, {k['sequences']} sequences x {k['columns']} columns")
+        print("| pool kv dtype | keys and values read, MiB | ms, median | vs float32 |")
+        print("|---|---|---|---|")
+        for row in k["rows"]:
+            print(f"| {row['kv_dtype']} | {row['bytes_read'] / 2**20:.2f} | {row['ms']:.3f} | "
+                  f"{row['ms'] / k['rows'][0]['ms']:.2f}x |")
 
 
 def print_throughput(t):
@@ -202,8 +241,7 @@ def main():
     p = ArgumentParser(description="The serving pool's kv dtypes: sequences at the same bytes, "
                        "bits/char through the server's scoring (see the module docstring).")
     add_model_args(p)
-    p.add_argument("--parts", default="capacity,quality,throughput",
-                   help="which, comma-separated (default: capacity,quality,throughput)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"which, comma-separated (default: {','.join(PARTS)})")
     p.add_argument("--pool-contexts", type=positive_int, default=4,
                    help="the pools' bytes: this many full contexts of the model's dtype (default: 4)")
     p.add_argument("--length", type=positive_int, default=None,
@@ -223,16 +261,18 @@ def main():
     if args.prompt_len >= args.length:
         p.error(f"--prompt-len ({args.prompt_len}) must be less than --length ({args.length})")
     parts = args.parts.split(",")
-    if not set(parts) <= {"capacity", "quality", "throughput"}:
-        p.error(f"--parts: choose from capacity, quality, throughput; got {args.parts!r}")
+    if not set(parts) <= set(PARTS):
+        p.error(f"--parts: choose from {', '.join(PARTS)}; got {args.parts!r}")
     r = {"machine": f"{torch.get_num_threads()} threads", "torch": torch.__version__}
-    for part, measure in (("capacity", capacity), ("quality", quality), ("throughput", throughput)):
+    for part, measure in PARTS.items():
         if part in parts:
             print(f"{part}...", flush=True)
             with torch.inference_mode():
                 r[part] = measure(model, tokenizer, args)
     publish_result(r, "benchmarks.kv_pool", print_report, json_path)
 
+
+PARTS = {"capacity": capacity, "quality": quality, "throughput": throughput, "kernel": kernel_speed}
 
 if __name__ == "__main__":
     run(main)
