@@ -154,3 +154,20 @@ def test_health_and_metrics_report_the_pools_bytes_and_full_contexts(model):
     assert health["full_contexts"] == 24 // (64 // 8) == 3
     assert f"kvcache_kv_pool_bytes {float(pool_bytes)}" in metrics
     assert "kvcache_kv_pool_full_contexts 3.0" in metrics
+
+
+def test_with_compile_a_quantized_pool_is_read_by_the_hand_written_kernel(model):
+    # Engine(compile=True): the batch's step compiled with the weights frozen in (minutes
+    # on 2 cores: max_autotune times its matmuls), its paged kernel the hand-written one,
+    # here its int8 twin; no lone step (its dense cache would be float32), so one request
+    # alone decodes through the batch's step too
+    prompts = random_prompts([6, 11], seed=6)
+    engine = Engine(model, TOKENIZER, tokens_per_block=8, compile=True, kv_dtype="int8")
+    assert engine.runner.lone is None
+    with torch.profiler.profile() as profile:
+        rows = run(engine, prompts, max_tokens=20, **GREEDY)
+        alone_row = run(engine, prompts[:1], max_tokens=5, **GREEDY)
+    assert any(event.name == "kvcache_gpt::decode_attention_quantized" for event in profile.events())
+    assert rows == [alone(model, p, 20, "int8") for p in prompts]
+    assert alone_row[0] == rows[0][:5]
+    assert_pool_is_whole(engine)
