@@ -156,11 +156,13 @@ def test_health_and_metrics_report_the_pools_bytes_and_full_contexts(model):
     assert "kvcache_kv_pool_full_contexts 3.0" in metrics
 
 
-def test_with_compile_a_quantized_pool_is_read_by_the_hand_written_kernel(model):
+def test_with_compile_a_quantized_pool_is_read_by_the_hand_written_kernel():
     # Engine(compile=True): the batch's step compiled with the weights frozen in (minutes
     # on 2 cores: max_autotune times its matmuls), its paged kernel the hand-written one,
     # here its int8 twin; no lone step (its dense cache would be float32), so one request
-    # alone decodes through the batch's step too
+    # alone decodes through the batch's step too. A model of its own (the same weights):
+    # the frozen graph holds them
+    model = tiny_model(CONFIG, seed=3)
     prompts = random_prompts([6, 11], seed=6)
     engine = Engine(model, TOKENIZER, tokens_per_block=8, compile=True, kv_dtype="int8")
     assert engine.runner.lone is None
