@@ -6,6 +6,7 @@ requests at once:
                                                      # (open http://127.0.0.1:8000/: the page)
     python serve.py --hf ~/models/gpt2 --port 8080
     python serve.py --chat-template chat.jinja       # /v1/chat/completions too
+    python serve.py --kv-dtype int8                  # ~3.9x the blocks in the same memory
     KVCACHE_API_KEY=secret python serve.py           # clients must send the key
 
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
@@ -30,6 +31,7 @@ if __name__ == "__main__":  # run as a command; importing this file changes noth
     begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
 
 from kv_cache import CACHED_MODELS  # noqa: E402
+from kv_quant import KV_DTYPES  # noqa: E402
 from plumbing.cli import (ArgumentParser, add_compile_cache_arg, add_model_args, load_from_args,  # noqa: E402
                           positive_int, use_compile_cache_arg)
 from serving.admission import SERVING_CONTEXT_POLICIES, Limits  # noqa: E402
@@ -55,6 +57,11 @@ def parse_args():
                    "contexts, at most 1 GiB; the engine preempts when it runs out)")
     p.add_argument("--tokens-per-block", type=positive_int, default=16,
                    help="positions per KV block (default: 16)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="how the pool stores keys and values (default: as the model computes): "
+                   "int8 (one scale per head and token) or int4 (one per 32 channels) hold "
+                   "~3.9x or ~7x a float32 pool's blocks in the same bytes (kv_quant.py; "
+                   "--num-blocks counts blocks of this dtype)")
     p.add_argument("--max-prefill-tokens", type=positive_int, default=2048,
                    help="most padded prompt tokens prefilled in one step (default: 2048)")
     p.add_argument("--attention", choices=["kernel", "gather"], default="kernel",
@@ -144,16 +151,16 @@ def main():
         engine = Engine(model, tokenizer, num_blocks=args.num_blocks,
                         tokens_per_block=args.tokens_per_block, max_batch=args.max_batch,
                         max_prefill_tokens=args.max_prefill_tokens, attention=args.attention,
-                        limits=limits_from_args(args), compile=args.compile)
-    except ValueError as e:  # before anything is allocated: a pool too small or too large
+                        limits=limits_from_args(args), compile=args.compile, kv_dtype=args.kv_dtype)
+    except ValueError as e:  # before anything is allocated: a pool too small or too large, a
+        # head size a quantized pool cannot pack
         raise UserError(f"--num-blocks {args.num_blocks or '(default)'}, --tokens-per-block "
-                        f"{args.tokens_per_block}: {e}") from None
+                        f"{args.tokens_per_block}, --kv-dtype {args.kv_dtype or '(default)'}: {e}") from None
     chat_template = load_chat_template(args, tokenizer)  # once the pool is sure to fit
     pool = engine.pool
-    contexts = pool.num_blocks * pool.tokens_per_block / model.config.context_len
-    print(f"KV pool: {pool.num_blocks} blocks of {pool.tokens_per_block} positions, "
-          f"{pool.nbytes() / 2**20:.1f} MiB (room for {contexts:.1f} full contexts)",
-          file=sys.stderr)
+    print(f"KV pool: {pool.num_blocks} blocks of {pool.tokens_per_block} positions, {pool.kv_dtype}, "
+          f"{pool.nbytes() / 2**20:.1f} MiB (room for {pool.full_contexts(model.config.context_len)} "
+          f"full contexts of {model.config.context_len})", file=sys.stderr)
     if args.attention == "kernel":
         print("compiling the decode step (once: up to a minute)...", file=sys.stderr, flush=True)
     engine.warm_up()

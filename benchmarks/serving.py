@@ -48,7 +48,7 @@ from benchmarks.timing import repeat, timed  # noqa: E402
 from generation.cpu_layout import pack_linears  # noqa: E402
 from generation.loop import Generation  # noqa: E402
 from kv_cache import CACHED_MODELS, KVCache, KVCacheGPT  # noqa: E402
-from kv_quant import dtype_name  # noqa: E402
+from kv_quant import KV_DTYPES, dtype_name  # noqa: E402
 from plumbing.cli import ArgumentParser, add_model_args, load_from_args, positive_int  # noqa: E402
 from plumbing.outputs import MARK, check_output_path, import_pyplot, json_text, write_atomically  # noqa: E402
 from serving.admission import Limits  # noqa: E402
@@ -120,9 +120,9 @@ def new_engine(model, tokenizer, args):
     try:
         engine = Engine(model, tokenizer, num_blocks=args.num_blocks, max_batch=args.max_batch,
                         tokens_per_block=args.tokens_per_block, attention=args.attention, limits=limits,
-                        compile=args.compile)
+                        compile=args.compile, kv_dtype=args.kv_dtype)
     except ValueError as e:  # a pool too small for one context, or larger than the memory
-        raise UserError(f"--num-blocks, --tokens-per-block: {e}") from None
+        raise UserError(f"--num-blocks, --tokens-per-block, --kv-dtype: {e}") from None
     engine.warm_up()  # compiles the decode step: not part of any measurement
     return engine
 
@@ -445,6 +445,8 @@ def main():
     p.add_argument("--num-blocks", type=positive_int, default=None, help="the engine's pool "
                    "(default: serve.py's, room for --max-batch full contexts, at most 1 GiB)")
     p.add_argument("--tokens-per-block", type=positive_int, default=16, help="default: 16")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="how the engine's pool stores keys and values (serve.py's; default: the model's dtype)")
     p.add_argument("--attention", choices=["kernel", "gather"], default="kernel",
                    help="how the engine's decode steps run: compiled whole, the paged kernel inside (default: kernel), or eager with a gather")
     p.add_argument("--compile", action="store_true",
@@ -510,7 +512,8 @@ def main():
          "workload": {"requests": args.requests, "prompt_len": "-".join(map(str, args.prompt_len)),
                       "output_len": "-".join(map(str, args.output_len)), "rate": args.rate,
                       "max_batch": args.max_batch, "seed": args.seed,
-                      "engine_thread": args.engine_thread, "compile": args.compile},
+                      "engine_thread": args.engine_thread, "compile": args.compile,
+                      "kv_dtype": args.kv_dtype},
          "running_peak": running_peak, "full_context_kv_bytes": running_peak * context_len * per_token,
          "modes": {}}
     if args.url:

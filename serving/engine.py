@@ -39,7 +39,7 @@ from serving.scheduler import FINISHED, Scheduler
 
 class Engine:
     def __init__(self, model, tokenizer, num_blocks=None, tokens_per_block=16, max_batch=64,
-                 max_prefill_tokens=2048, attention="kernel", limits=None, compile=False):
+                 max_prefill_tokens=2048, attention="kernel", limits=None, compile=False, kv_dtype=None):
         """num_blocks: the pool's size (default_num_blocks by default); when it runs out,
         the scheduler preempts.
         attention: how decode steps run (model_runner.py), "kernel" (paged_attention.py: the
@@ -51,18 +51,20 @@ class Engine:
         built here (seconds to minutes, and a copy of the weights); the decode step of a
         batch is compiled with the weights frozen into it and its matmuls tuned
         (paged_attention.py), and short prefills go through it too, each token a row.
-        Both hold the weights as they were: change none while the engine serves."""
+        Both hold the weights as they were: change none while the engine serves.
+        kv_dtype: how the pool stores keys and values (kv_quant.KV_DTYPES; default: the
+        model's dtype): "int8" or "int4" hold several times the blocks in the same bytes."""
         if attention not in ("kernel", "gather"):
             raise ValueError(f"attention must be 'kernel' or 'gather', got {attention!r}")
         self.model, self.tokenizer = model, tokenizer
         self.limits = Limits() if limits is None else limits
         config, weight = model.config, model.lm_head.weight
         self.device = weight.device
+        kv_dtype = kv_dtype or dtype_name(weight.dtype)
         if num_blocks is None:
-            num_blocks = default_num_blocks(config, tokens_per_block, max_batch,
-                                            dtype_name(weight.dtype))
-        check_pool_fits(config, num_blocks, tokens_per_block, dtype_name(weight.dtype))
-        self.pool = BlockPool(config, num_blocks, tokens_per_block, self.device, weight.dtype)
+            num_blocks = default_num_blocks(config, tokens_per_block, max_batch, kv_dtype)
+        check_pool_fits(config, num_blocks, tokens_per_block, kv_dtype)
+        self.pool = BlockPool(config, num_blocks, tokens_per_block, self.device, weight.dtype, kv_dtype)
         self.scheduler = Scheduler(self.pool, config.context_len, max_batch, max_prefill_tokens)
         self.runner = ModelRunner(model, self.pool, tokenizer.n_vocab, max_batch, attention, compile)
         self.inbox, self.cancelled = deque(), deque()  # from other threads (deque is thread-safe)
@@ -257,6 +259,8 @@ class Engine:
         return {"running": len(self.scheduler.running), "waiting": self.num_waiting(),
                 "blocks_total": self.pool.num_blocks, "blocks_free": len(self.pool.free),
                 "blocks_peak": self.peak_blocks, "tokens_per_block": self.pool.tokens_per_block,
+                "kv_dtype": self.pool.kv_dtype, "pool_bytes": self.pool.nbytes(),
+                "full_contexts": self.pool.full_contexts(self.model.config.context_len),
                 "preemptions": self.scheduler.preemptions, "steps": self.steps,
                 "lone_steps": self.runner.lone_steps,
                 "prefilled_tokens": self.scheduler.prefilled_tokens,

@@ -37,7 +37,11 @@ class EngineCollector:
                   ("num_requests_waiting", "Requests waiting to be admitted", s["waiting"]),
                   ("kv_blocks_used", "KV blocks held by sequences", s["blocks_total"] - s["blocks_free"]),
                   ("kv_blocks_free", "KV blocks free (cached or empty)", s["blocks_free"]),
-                  ("kv_blocks_total", "KV blocks in the pool", s["blocks_total"])]
+                  ("kv_blocks_total", "KV blocks in the pool", s["blocks_total"]),
+                  ("kv_pool_bytes", f"Bytes of the KV pool (keys and values as {s['kv_dtype']})",
+                   s["pool_bytes"]),
+                  ("kv_pool_full_contexts", "Sequences of the full context the pool holds at once",
+                   s["full_contexts"])]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
         queried = s["prefilled_tokens"] + s["cached_tokens"]

@@ -8,8 +8,9 @@ draws.
 
 The routes of forward, the first that takes the batch:
 
-    lone step      one request decoding alone (with compile): generation/compiled_step.py's
-                   static step on a dense cache of one row (lone_step.py)
+    lone step      one request decoding alone (with compile, over a pool in the model's
+                   dtype): generation/compiled_step.py's static step on a dense cache of one
+                   row (lone_step.py)
     compiled step  a decode pass, and with compile a short prefill fed one row per token
                    (attention "kernel"): paged_attention.py's step, compiled whole, its
                    index tensors kept from step to step (decode_index.py)
@@ -70,7 +71,11 @@ class ModelRunner:
         self.compiled_decode = attention == "kernel"
         if self.compiled_decode or compile:  # graphs read the dense weights: none stays packed
             unpack_linears(model)
-        self.lone = LoneStep(model, pool, vocab_limit) if compile else None
+        # the lone step's dense cache is the model's dtype: a pool stored otherwise (kv_dtype)
+        # has its lone requests decoded by the batch's step
+        lone = compile and pool.kv.dtype == model.lm_head.weight.dtype
+        self.lone = LoneStep(model, pool, vocab_limit) if lone else None
+        self.frozen = compile
         self.lone_steps = self.compiled_prefills = 0
         self.index = DecodeIndex(pool.tokens_per_block, self.device)
         # Gumbel noise of the batch's draw (sample.sample_rows_with_noise), refilled each step
@@ -118,7 +123,7 @@ class ModelRunner:
             return False
         fed = [s.num_fed for s in batch]
         if max(fed) > 1:  # a prefill
-            if self.lone is None:
+            if not self.frozen:
                 return False
             # the fed row at position p reads p + 1 columns
             columns = sum(n * s.context_len - n * (n - 1) // 2 for n, s in zip(fed, batch))
@@ -144,7 +149,7 @@ class ModelRunner:
             self.compiled_prefills += 1
         logits, drawn = compiled_decode_step(self.model, tokens, positions, self.pool.kv, read_slots,
                                              write_slots, visible, temperature, noise,
-                                             freeze=self.lone is not None)
+                                             freeze=self.frozen, fmt=self.pool.format)
         return (logits, drawn) if last is None else (logits[last], drawn[last])
 
     def draw_at_rows(self, temperature, noise, last, num_rows):

@@ -26,6 +26,14 @@ its position's angle, and what came before it differs too). Blocks are reference
 no sequence uses goes back to the free list *with its contents and hash*, so a later
 request can still hit it, and it is overwritten (evicted) only when the free list comes
 round to it, least recently freed first.
+
+A pool may store its keys and values in fewer bytes than the model computes in
+(serve.py --kv-dtype int8, int4, bfloat16, float16): each slot then holds kv_quant.py's
+format of one token, per head, exactly as the preallocated kv_cache.KVCache stores it (an
+int8 head: its 64 codes, then its float16 scale), so the pool's bytes are the chapter's
+formula (cache_bytes) and the same memory holds several times the blocks. Every write goes
+through the format's encode(), every read through its decode(): the gather here, the paged
+kernels in paged_attention.py (the hand-written one dequantizes each column as it reads it).
 """
 
 import hashlib
@@ -35,7 +43,7 @@ from collections import OrderedDict
 import torch
 
 from kv_cache import Cache
-from kv_quant import cache_bytes
+from kv_quant import cache_bytes, dtype_name, storage_format
 
 NULL_BLOCK = 0  # never given to a sequence: padding columns read it, dropped writes land in it
 DEFAULT_POOL_BYTES = 1 << 30
@@ -65,21 +73,27 @@ def check_pool_fits(config, num_blocks, tokens_per_block, kv_dtype):
 class BlockPool:
     """The preallocated blocks, the free list, reference counts and the prefix index.
 
-    kv: (n_layer, 2, (num_blocks + 1) * tokens_per_block, n_kv_head, hd); block b's positions
-    are slots b * tokens_per_block .. (b + 1) * tokens_per_block - 1. Laid out by slot, then
-    head, so that gathering a sequence's positions copies whole rows of n_kv_head * hd values.
-    n_kv_head: the heads the model caches (all of GPT-2's; fewer with grouped-query attention)."""
+    kv: (n_layer, 2, (num_blocks + 1) * tokens_per_block, n_kv_head, width); block b's
+    positions are slots b * tokens_per_block .. (b + 1) * tokens_per_block - 1. Laid out by
+    slot, then head, so that gathering a sequence's positions copies whole rows of
+    n_kv_head * width values. n_kv_head: the heads the model caches (all of GPT-2's; fewer
+    with grouped-query attention). width: hd values in a float pool, head_bytes bytes
+    (uint8) in a quantized one (kv_dtype; `format` encodes and decodes, kv_quant.py)."""
 
-    def __init__(self, config, num_blocks, tokens_per_block=16, device=None, dtype=torch.float32):
+    def __init__(self, config, num_blocks, tokens_per_block=16, device=None, dtype=torch.float32,
+                 kv_dtype=None):
         if num_blocks * tokens_per_block < config.context_len:
             raise ValueError(f"{num_blocks} blocks of {tokens_per_block} positions cannot hold "
                              f"one full context of {config.context_len}; use more blocks")
         self.tokens_per_block, self.num_blocks = tokens_per_block, num_blocks
+        self.kv_dtype = kv_dtype or dtype_name(dtype)
+        self.format = storage_format(self.kv_dtype, config.head_dim, dtype)
         slots = (num_blocks + 1) * tokens_per_block  # + the null block
         # zeros, not empty: padding columns are masked, but a masked NaN key or value would
         # still poison softmax(...) @ v, so every slot must hold a finite number from the start
-        self.kv = torch.zeros(config.n_layer, 2, slots, config.n_kv_head, config.head_dim,
-                              device=device, dtype=dtype)
+        # (zero bytes are zero codes with a zero scale: 0 once decoded)
+        self.kv = torch.zeros(config.n_layer, 2, slots, config.n_kv_head, self.format.width(config.head_dim),
+                              device=device, dtype=self.format.storage_dtype)
         self.ref_count = [0] * (num_blocks + 1)
         self.block_hash = [None] * (num_blocks + 1)   # a full block's prefix hash, or None
         self.cached = {}                              # prefix hash -> block holding it
@@ -178,6 +192,11 @@ class BlockPool:
     def nbytes(self):
         return self.kv.nbytes
 
+    def full_contexts(self, context_len):
+        """How many sequences of context_len tokens the pool holds at once (the null block
+        not counted: nobody's)."""
+        return self.num_blocks // self.blocks_for(context_len)
+
 
 class PagedCache(Cache):
     """One forward pass's view of the pool, in kv_cache's Cache interface, so that the
@@ -201,19 +220,20 @@ class PagedCache(Cache):
         self.pad, self.length = pad, length
 
     def write(self, layer, k, v):
-        """Store the new columns k, v (B, n_kv_head, T, hd) in their slots; the layer's
-        (2, slots, n_kv_head, hd)."""
+        """Store the new columns k, v (B, n_kv_head, T, hd) in their slots, in the pool's
+        format; the layer's (2, slots, n_kv_head, width)."""
         B, nh, T, hd = k.shape
         kv = self.pool.kv[layer]
         new = torch.stack((k, v)).transpose(2, 3).reshape(2, B * T, nh, hd)
-        kv.index_copy_(1, self.write_slots, new)  # dropped writes may collide: all in the null block
+        # dropped writes may collide: all in the null block
+        kv.index_copy_(1, self.write_slots, self.pool.format.encode(new))
         return kv
 
     def update(self, layer, k, v):
         kv = self.write(layer, k, v)
         B, S = self.read_slots.shape
         both = kv.index_select(1, self.read_slots.flatten()).view(2, B, S, *kv.shape[2:])
-        both = both.transpose(2, 3)                                        # (2, B, n_kv_head, S, hd)
+        both = self.pool.format.decode(both.transpose(2, 3))               # (2, B, n_kv_head, S, hd)
         return both[0], both[1]
 
     def nbytes(self):

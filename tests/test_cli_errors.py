@@ -163,6 +163,8 @@ CASES = [  # (script, args, what the error line must mention)
     ("serve.py", ["--max-waiting", "5"], "--max-waiting (5) must be at least"),
     ("serve.py", ["--ckpt", "{d}/tiny.pt", "--num-blocks", "1000000000"], "would need"),
     ("serve.py", ["--ckpt", "{d}/tiny.pt", "--tokens-per-block", "1000000000"], "would need"),
+    ("serve.py", ["--ckpt", "{d}/tiny.pt", "--kv-dtype", "int8", "--num-blocks", "4000000000"], "would need"),
+    ("serve.py", ["--kv-dtype", "int7"], "invalid choice: 'int7'"),
 ]
 if importlib.util.find_spec("matplotlib") is None:  # found before the run, not after it
     CASES.append(("benchmark.py", ["--quick", "--plot", "{d}/new.png"], "needs matplotlib"))

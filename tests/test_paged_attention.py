@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from kv_quant import head_bytes, storage_format
 from serving.kernel_build import build_directory, build_kernel, library_name
 from serving.paged_attention import decode_attention, hand_written_kernel
 
@@ -59,6 +60,27 @@ def test_the_hand_written_kernel_never_reads_a_hidden_column(kernel):
     kv[1, :, read_slots[~visible]] = float("nan")
     got = kernel(q, kv[1, 0], kv[1, 1], read_slots, visible)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kv_dtype, head_dim", [("int8", 16), ("int4", 16), ("int4", 64)])
+@pytest.mark.parametrize("n_head, n_kv_head", [(4, 4), (6, 1)], ids=["mha", "mqa"])
+def test_a_quantized_pool_is_read_as_its_dequantized_values(kernel, kv_dtype, head_dim, n_head, n_kv_head):
+    """A pool of kv_quant's codes and scales, read in place by both kernels, gives what the
+    float kernel gives over the same pool dequantized (int4 at head_dim 64: two scales a
+    head, and channels i and i + 32 in one byte). Same tolerance: the codes are exact, the
+    sums in another order; a scale misread moves the outputs by far more."""
+    q, kv, read_slots, visible = pool_and_reads(n_head, n_kv_head, seed=7, head_dim=head_dim)
+    fmt = storage_format(kv_dtype, head_dim, torch.float32)
+    stored = fmt.encode(kv[1])                                   # (2, slots, n_kv_head, head_bytes)
+    assert stored.dtype == torch.uint8 and stored.size(-1) == head_bytes(head_dim, kv_dtype)
+    dequantized = fmt.decode(stored)
+    expected = decode_attention(q, dequantized[0], dequantized[1], read_slots, visible)
+    in_place = decode_attention(q, stored[0], stored[1], read_slots, visible, fmt)
+    torch.testing.assert_close(in_place, expected, atol=1e-5, rtol=0)
+    got = kernel(q, stored[0], stored[1], read_slots, visible, fmt)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    # and the codes are not the floats they stand for: the test can tell a format misread
+    assert (decode_attention(q, kv[1, 0], kv[1, 1], read_slots, visible) - expected).abs().max() > 1e-4
 
 
 def test_the_hand_written_kernel_refuses_a_slot_outside_the_pool(kernel):
