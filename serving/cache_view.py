@@ -38,7 +38,7 @@ team beside the engine's (engine.py, Engine.run).
 
 from collections import Counter
 
-from kv_quant import cache_bytes, dtype_name
+from kv_quant import cache_bytes, head_bytes
 from serving.scheduler import RUNNING
 
 MAX_CELLS = 4096    # a 64 x 64 grid at most
@@ -49,11 +49,13 @@ TO_LETTERS = bytes.maketrans(bytes(range(4)), b".chs")  # a state's byte -> its 
 
 def pool_formula(model, pool):
     """The cache formula's numbers for this model and pool (kv_quant.cache_bytes):
-    bytes per token = 2 (keys and values) x n_layer x n_kv_head x head_dim x bytes a value."""
+    bytes per token = 2 (keys and values) x n_layer x n_kv_head x bytes a head, where a
+    head is head_dim values of the pool's dtype, or, in an int8/int4 pool, their codes and
+    scales (kv_quant.head_bytes)."""
     config = model.config
     return {"n_layer": config.n_layer, "n_kv_head": config.n_kv_head, "head_dim": config.head_dim,
-            "dtype": dtype_name(pool.kv.dtype), "bytes_per_value": pool.kv.element_size(),
-            "bytes_per_token": cache_bytes(config, 1, 1, dtype_name(pool.kv.dtype)),
+            "dtype": pool.kv_dtype, "bytes_per_head": head_bytes(config.head_dim, pool.kv_dtype),
+            "bytes_per_token": cache_bytes(config, 1, 1, pool.kv_dtype),
             "tokens_per_block": pool.tokens_per_block, "bytes_per_block": pool.block_bytes(),
             "num_blocks": pool.num_blocks,
             "pool_bytes": pool.nbytes()}  # with the null block: num_blocks + 1 blocks

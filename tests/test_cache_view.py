@@ -84,6 +84,16 @@ def test_the_formula_is_the_pools_own_bytes(model):
     assert f["pool_bytes"] == (16 + 1) * f["bytes_per_block"] == engine.pool.kv.nbytes  # + the null block
 
 
+def test_an_int8_pools_formula_counts_codes_and_scales(model):
+    engine = Engine(model, TOKENIZER, num_blocks=16, tokens_per_block=TPB, attention="gather",
+                    kv_dtype="int8")
+    f = pool_formula(engine.model, engine.pool)
+    head_dim = CONFIG.n_embd // CONFIG.n_head
+    assert f["dtype"] == "int8" and f["bytes_per_head"] == head_dim + 2  # codes and a float16 scale
+    assert f["bytes_per_token"] == 2 * CONFIG.n_layer * CONFIG.n_head * f["bytes_per_head"]
+    assert f["pool_bytes"] == (16 + 1) * f["bytes_per_block"] == engine.pool.kv.nbytes
+
+
 # ---------------------------------------------------------------------------- over HTTP
 
 @pytest.fixture(scope="module")

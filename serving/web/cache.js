@@ -153,7 +153,7 @@ function shortId(id) {
 // The cache formula with this model's numbers (kv_quant.cache_bytes).
 function formulaText(f) {
   return `per token: 2 (keys and values) \u00d7 ${f.n_layer} layers \u00d7 ${f.n_kv_head} KV heads `
-    + `\u00d7 ${f.head_dim} head_dim \u00d7 ${f.bytes_per_value} B (${f.dtype}) = ${bytes(f.bytes_per_token)}; `
+    + `\u00d7 ${f.bytes_per_head} B a head (${f.head_dim} values, ${f.dtype}) = ${bytes(f.bytes_per_token)}; `
     + `per block of ${f.tokens_per_block} positions: ${bytes(f.bytes_per_block)}; `
     + `the pool: ${f.num_blocks} blocks + the null block = ${bytes(f.pool_bytes)}`;
 }
