@@ -78,16 +78,22 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU int4 kernel accepts
 KERNEL_DTYPE = torch.bfloat16  # the activation dtype the CPU kernels are fast with
 MIN_SCALE = 1e-12  # an all-equal row or group would have scale 0: keep the division defined
 CHUNK_ROWS = 1024  # rows quantized at a time (row_chunks)
+# from this many rows of x (a prompt, a big batch) our kernels hand over to a float matmul
+# of the weight dequantized a chunk at a time: on an AVX2 CPU the fp32 GEMM does twice the
+# multiply-adds a second of ours at 128 rows and more, and dequantizing costs one read of
+# the weight, which a product this large hardly notices (docs/benchmarks.md, the 1B section)
+FLOAT_MATMUL_ROWS = 32
 
 
 # ---------------------------------------------------------------------------- the schemes
 
 def row_chunks(weight):
-    """Slices of CHUNK_ROWS rows of weight (out, in). Both schemes quantize row by row, so a
+    """Slices of CHUNK_ROWS rows of weight (out, in), a tensor or a Linear. Both schemes quantize row by row, so a
     chunk at a time gives the same numbers as the whole matrix at once, with float
     temporaries (the fp32 copy, |W|, the quotient) the size of one chunk: a 128256 x 2048
     output layer would need ~1 GB for each."""
-    return [slice(start, start + CHUNK_ROWS) for start in range(0, weight.shape[0], CHUNK_ROWS)]
+    rows = weight.out_features if isinstance(weight, nn.Module) else weight.shape[0]
+    return [slice(start, start + CHUNK_ROWS) for start in range(0, rows, CHUNK_ROWS)]
 
 
 def quantize_int8(weight):
@@ -154,13 +160,20 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x):
         shape = x.shape  # (..., in)
-        y = self.matmul(x.reshape(-1, self.in_features).to(self.compute_dtype))  # (rows, out)
+        x = x.reshape(-1, self.in_features).to(self.compute_dtype)  # (rows, in)
+        many = self.kernel == "ours" and x.shape[0] >= FLOAT_MATMUL_ROWS
+        y = self.dequantized_matmul(x) if many else self.matmul(x)  # (rows, out)
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)  # back to the model's dtype
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, {self.kernel} kernel in {self.compute_dtype}")
+
+    def dequantized_matmul(self, x):
+        """x (rows, in) @ the dequantized weight.T, CHUNK_ROWS output channels at a time (a
+        128256-token head would be a 1 GB fp32 temporary at once)."""
+        return torch.cat([F.linear(x, self.dequantized_weight(rows)) for rows in row_chunks(self)], dim=1)
 
     def weight_nbytes(self):
         """Bytes a forward pass reads from this layer's weight (not counting the bias)."""
@@ -216,8 +229,9 @@ class Int8Linear(QuantizedLinear):
             return torch._weight_int8pack_mm(x, self.weight_int8, self.scale)  # (x @ q.T) * scale
         return F.linear(x, self.weight_int8.to(x.dtype)) * self.scale  # the same, portably
 
-    def dequantized_weight(self):
-        return dequantize_int8(self.weight_int8, self.scale)
+    def dequantized_weight(self, rows=slice(None)):
+        """The weight as the layer uses it, (out, in) fp32, or those output rows of it."""
+        return dequantize_int8(self.weight_int8[rows], self.scale[rows])
 
 
 class Int4Linear(QuantizedLinear):
@@ -267,8 +281,9 @@ class Int4Linear(QuantizedLinear):
             return self.scale_and_zero[..., 0].float().t()[:self.out_features]
         return self.scale.float()
 
-    def dequantized_weight(self):
-        """The weight as the layer uses it, (out, in) fp32."""
+    def dequantized_weight(self, rows=slice(None)):
+        """The weight as the layer uses it, (out, in) fp32, or those output rows of it (ours
+        and the portable path's layout only)."""
         if self.kernel == "torch":
             # the packed layout is the kernel's own, so read it back through the kernel: the
             # identity times W.T is W.T, exact in fp32 (one nonzero product per output)
@@ -276,8 +291,8 @@ class Int4Linear(QuantizedLinear):
             wt = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 eye, self.weight_int4, self.group_size, self.scale_and_zero.float())
             return wt[:, :self.out_features].t()
-        return dequantize_int4(quantized_matmul.unpack_int4(self.weight_int4), self.scale, self.zero,
-                               self.group_size)
+        return dequantize_int4(quantized_matmul.unpack_int4(self.weight_int4[rows]), self.scale[rows],
+                               self.zero[rows], self.group_size)
 
 
 def int4_group_size(model):

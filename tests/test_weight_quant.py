@@ -35,7 +35,7 @@ from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
 from plumbing.scoring import score
 from kv_cache import CACHED_MODELS
 from generation import quantized_matmul
-from weight_quant import (Int4Linear, Int8Linear, QuantizedLinear, dequantize_int4, dequantize_int8,
+from weight_quant import (CHUNK_ROWS, FLOAT_MATMUL_ROWS, Int4Linear, Int8Linear, QuantizedLinear, dequantize_int4, dequantize_int8,
                       int4_group_size, quantize_int4, quantize_int8, quantize_model)
 from test_generate_cli import generate, run_cli
 
@@ -152,6 +152,18 @@ def test_quantized_linear_matches_its_dequantized_weight(scheme, kernel, out_fea
     y = q(x)
     assert y.shape == (2, 5, out_features) and y.dtype == torch.float32
     assert ((y - ref).abs() <= arithmetic_bound(x, q) + 1e-6).all()  # the module docstring's bounds
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_many_rows_go_through_a_float_matmul_of_the_dequantized_weight(scheme):
+    # a prompt's rows (FLOAT_MATMUL_ROWS or more): fp32 throughout, so x @ W.T up to the order
+    # of sums; 1100 outputs: two chunks of CHUNK_ROWS dequantized in turn
+    lin = linear(CHUNK_ROWS + 76, 64)
+    q = quantized(lin, scheme, "ours")
+    x = torch.randn(FLOAT_MATMUL_ROWS, 64)
+    torch.testing.assert_close(q(x), F.linear(x, q.dequantized_weight(), lin.bias), rtol=1e-5, atol=1e-5)
+    few = q(x[:FLOAT_MATMUL_ROWS - 1])  # one row fewer: our kernel, its int8 activations' rounding
+    assert not torch.allclose(few, q(x)[:FLOAT_MATMUL_ROWS - 1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
