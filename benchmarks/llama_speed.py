@@ -6,7 +6,7 @@ compared) and, where it is built, its own llama-bench (tg, and pp for the prefil
 
     python -m benchmarks.llama_speed              # 10-40 minutes on 2 cores; up to 22.5 GB of memory
     python -m benchmarks.llama_speed --shape tiny # the same tables on a tiny shape (seconds)
-    python -m benchmarks.llama_speed --prefill 128 512 --prefill-forms fp32 int8 int4
+    python -m benchmarks.llama_speed --prefill 128 512 --forms fp32 int8 int4
     python benchmark.py --llama-speed             # the decode table as a section of the whole run
 
 The model has random weights in Llama 3.2 1B's shape: 16 blocks 2048 wide, 32 query heads
@@ -55,7 +55,6 @@ SHAPES = {
                         n_embd=256, intermediate_size=704, rope_theta=500000.0,
                         rope_scaling=LLAMA3_SCALING, tie_embeddings=True),
 }
-CONTESTANTS = ("ours fp32 eager", "ours bf16", "ours int8", "ours int4")
 LLAMA_OUTTYPES = ("f32", "q8_0", "q4_0")  # through the binding (it has no bf16; f16 is llama-bench's)
 BENCH_OUTTYPES = {"fp32": "f32", "bf16": "f16", "int8": "q8_0", "int4": "q4_0"}  # ours: llama-bench's
 PREFILL_LENGTHS = (128, 512, 2048)
@@ -70,21 +69,22 @@ def random_llama(config, device="cpu", seed=0):
     return store_linears_column_major(KVCacheLlama(config).to(device).eval())
 
 
-def llama_speed(shape, n, reps, device, prefill_lengths=PREFILL_LENGTHS, prefill_forms=tuple(FORMS)):
+def llama_speed(shape, n, reps, device, prefill_lengths=PREFILL_LENGTHS, forms=tuple(FORMS)):
     """decode_speed's table for a random model of SHAPES[shape]: ours in fp32, bf16, int8 and
     int4 beside llama.cpp f32, q8_0 and q4_0, and the ratio of each pair; then each form's
-    prefill at prefill_lengths, and llama-bench's pp and tg where it is built."""
+    prefill at prefill_lengths, and llama-bench's pp and tg where it is built. forms: which
+    of ours run (FORMS' names), in both tables."""
     model = random_llama(SHAPES[shape], device)
     label = f"{shape} shape"
     llama_note = (llama_cpp_missing() if device.type == "cpu" else
                   f"llama.cpp skipped: this llama.cpp build runs on the CPU, the benchmark on {device.type}")
     result = decode_speed({label: model}, n, reps, {label: bandwidth_floor(model, reps)},
                           compile_note="compiled row left out here (a long compile at this size)",
-                          llama_cpp_note=llama_note, contestants=CONTESTANTS,
+                          llama_cpp_note=llama_note, contestants=[FORMS[f] for f in forms],
                           llama_outtypes=LLAMA_OUTTYPES)
     result["pairs"] = result["models"][0]["pairs"]
     floor = result["models"][0]["read_GBps"]
-    result["prefill"] = prefill_section(model, label, n, reps, prefill_lengths, prefill_forms, floor)
+    result["prefill"] = prefill_section(model, label, n, reps, prefill_lengths, forms, floor)
     return result
 
 
@@ -109,16 +109,16 @@ def main():
     add_benchmark_args(p, tokens=32)
     p.add_argument("--prefill", type=int, nargs="+", default=list(PREFILL_LENGTHS), metavar="T",
                    help="prompt lengths of the prefill table (default: 128 512 2048)")
-    p.add_argument("--prefill-forms", nargs="+", choices=list(FORMS), default=list(FORMS),
-                   help="ours' forms in the prefill table (default: all)")
+    p.add_argument("--forms", nargs="+", choices=list(FORMS), default=list(FORMS),
+                   help="ours' forms in both tables (default: all; bf16 copies the fp32 model "
+                        "first: 5 GB more at the 1B shape)")
     args = p.parse_args()
     if args.json is not None:
         check_output_path(args.json, "json")
     context = SHAPES[args.shape].context_len
     if not all(0 < T <= context for T in args.prefill):
         p.error(f"--prefill lengths must be from 1 to the shape's context, {context}")
-    result = llama_speed(args.shape, args.tokens, args.reps, torch.device("cpu"), args.prefill,
-                         args.prefill_forms)
+    result = llama_speed(args.shape, args.tokens, args.reps, torch.device("cpu"), args.prefill, args.forms)
     publish_result(result, "benchmarks.llama_speed", print_llama_speed, args.json)
 
 
