@@ -86,13 +86,15 @@ def quantized_kernels(shapes, threads, rows, reps):
 def print_table(r):
     print(f"\n## Quantized products alone: ms [GB/s of weights, x the read floor]; ours in {r['isa']}")
     names = list(KERNELS)
-    print("| shape | weight (out x in) | threads | rows | read GB/s | " + " | ".join(names) + " | int8 ours / torch | int4 ours / torch |")
+    print("| shape | weight (out x in) | threads | rows | read GB/s | " + " | ".join(names)
+          + " | int8 ours / torch | int4 ours / torch |")
     print("|---|---|---|---|---|" + "---|" * (len(names) + 2))
     for row in r["table"]:
         k = row["kernels"]
         cells = " | ".join(f"{k[n]['ms']:.2f} [{k[n]['GBps']:.1f}, {k[n]['x_floor']:.1f}x]" for n in names)
-        print(f"| {row['shape']} | {row['weight']} | {row['threads']} | {row['rows']} | {row['read_GBps']:.1f} | {cells} | "
-              f"{k['int8 torch']['ms'] / k['int8 ours']['ms']:.2f}x | {k['int4 torch']['ms'] / k['int4 ours']['ms']:.2f}x |")
+        ratios = [k[f"{s} torch"]["ms"] / k[f"{s} ours"]["ms"] for s in ("int8", "int4")]
+        print(f"| {row['shape']} | {row['weight']} | {row['threads']} | {row['rows']} | "
+              f"{row['read_GBps']:.1f} | {cells} | {ratios[0]:.2f}x | {ratios[1]:.2f}x |")
 
 
 def main():

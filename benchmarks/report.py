@@ -201,7 +201,8 @@ def print_prefill(p):
           "(the quantized forms multiply in fp32 at this size)")
     if p["llama_bench_note"]:
         print(p["llama_bench_note"])
-    print("| ours | prompt tokens | tok/s | GFLOP/s | x of its peak | llama-bench | its pp tok/s | ours / llama-bench |")
+    print("| ours | prompt tokens | tok/s | GFLOP/s | x of its peak | llama-bench | its pp tok/s "
+          "| ours / llama-bench |")
     print("|---|---|---|---|---|---|---|---|")
     for form, row in p["ours"].items():
         theirs = p["llama_bench"].get(f"llama.cpp {p['pairs'][form]}", {}).get("pp", {})

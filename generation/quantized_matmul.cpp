@@ -232,7 +232,8 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 }
 
 // x (M, K) fp32, packed (N, K / 2) uint8 (the block order above), scale and zero (N, K / G)
-// bf16 (what the checkpoint of a quantized model rounds them to, as torch's kernels take them) -> (M, N) fp32: x @ W.T with W[n, k] = (level - 8) * scale[n, g] + zero[n, g].
+// bf16 (as torch's kernels take them) -> (M, N) fp32: x @ W.T with
+// W[n, k] = (level - 8) * scale[n, g] + zero[n, g].
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                        const at::Tensor& zero, int64_t group_size, std::string isa) {
   const int64_t M = x.size(0), N = packed.size(0), K = packed.size(1) * 2, groups = K / group_size;

@@ -35,8 +35,9 @@ from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
 from plumbing.scoring import score
 from kv_cache import CACHED_MODELS
 from generation import quantized_matmul
-from weight_quant import (CHUNK_ROWS, FLOAT_MATMUL_ROWS, Int4Linear, Int8Linear, QuantizedLinear, dequantize_int4, dequantize_int8,
-                      int4_group_size, quantize_int4, quantize_int8, quantize_model)
+from weight_quant import (CHUNK_ROWS, FLOAT_MATMUL_ROWS, Int4Linear, Int8Linear, QuantizedLinear,
+                          dequantize_int4, dequantize_int8, int4_group_size, quantize_int4, quantize_int8,
+                          quantize_model)
 from test_generate_cli import generate, run_cli
 
 BF16_BOUND = 2.0 ** -7  # see the module docstring
