@@ -32,8 +32,9 @@ The two schemes, for a weight W of shape (out, in), row n = output channel n:
 
 The kernels, three of them (`kernel=`), chosen per Linear where it is made:
   "ours"      on the CPU: generation/quantized_matmul.cpp, built on first use, fed fp32;
-              it quantizes the activations in blocks of 32 and reads each weight once, at
-              up to ~2.5x the speed of torch's at one row (docs/benchmarks.md, the 1B section).
+              it quantizes the activations in blocks of 32 and reads each weight once,
+              1.5-8x torch's speed at one row on an AVX2 EPYC (docs/log/benchmarks-round-8.md);
+              from FLOAT_MATMUL_ROWS rows on, an fp32 matmul of the weight dequantized.
               int4 weights lie two to a byte in its own order (quantized_matmul.pack_int4).
   "torch"     on the CPU where ours cannot be built (or a width is not a multiple of 32):
               torch._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu (with
@@ -159,11 +160,11 @@ class QuantizedLinear(nn.Module):
         self.scale_dtype = KERNEL_DTYPE if self.kernel != "portable" else self.dtype
 
     def forward(self, x):
-        shape = x.shape  # (..., in)
+        shape, dtype = x.shape, x.dtype  # (..., in), the model's
         x = x.reshape(-1, self.in_features).to(self.compute_dtype)  # (rows, in)
         many = self.kernel == "ours" and x.shape[0] >= FLOAT_MATMUL_ROWS
         y = self.dequantized_matmul(x) if many else self.matmul(x)  # (rows, out)
-        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)  # back to the model's dtype
+        y = y.to(dtype).reshape(*shape[:-1], self.out_features)  # back to the model's dtype
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):

@@ -4,12 +4,12 @@ weight_quant.py's Linears call where they can be built: each weight block read o
 activations quantized in blocks of 32 and the products taken in 8-bit integers, in AVX2 or
 AVX-512 VNNI as the CPU has (picked at run time), else plain C++.
 
-Why our own: torch's CPU kernels (torch._weight_int8pack_mm, _weight_int4pack_mm_for_cpu)
-read a 2048 x 8192 int8 weight at ~5 GB/s on one core of an AVX2 EPYC whose memory gives
-15; these reach the memory's speed (docs/benchmarks.md, the 1B section). torchao, the
-library that would be the kept alternative, ships no CPU kernels in its PyPI wheel (0.18:
-its compiled parts are CUDA's), and its CPU int8/int4 weight-only paths call those same
-torch kernels.
+Why our own: at one row torch's CPU kernels (torch._weight_int8pack_mm,
+_weight_int4pack_mm_for_cpu) read the 1B model's int8 and int4 weights at 1-8 GB/s on one
+core of an AVX2 EPYC, these at 1.5-8x that in the same runs, up to the memory's own speed
+(docs/log/benchmarks-round-8.md). torchao, the library that would be the kept
+alternative, ships no CPU kernels in its PyPI wheel (0.18: its compiled parts are CUDA's),
+and its CPU int8/int4 weight-only paths call those same torch kernels.
 
 The first call on a machine compiles the library (serving/kernel_build.py: a private
 folder, one build at a time, ~20 s) and later processes load it. `kernels()` is None where
