@@ -44,7 +44,7 @@ def test_quick_benchmark_writes_its_report(tmp_path):
     assert checkpoint["rows"]["ours fp32 eager"]["greedy_leading_same"] == checkpoint["tokens"] == 8
     kernels = report["kernels"]["variants"]
     assert all(v["ms"] > 0 for v in kernels.values())
-    assert "int8, fp32 activations" in kernels and "int4 groups of 128, bf16 activations" in kernels
+    assert "int8, torch's, fp32 activations" in kernels and "int4 groups of 128, torch's, bf16 activations" in kernels
     # speculative decoding on the bundled model and its draft (the peers: the test below)
     spec = report["speculative"]
     assert set(spec["prompt_lookup"]["rows"]) == {"ours plain", "ours lookup K=8 N=2"}
