@@ -157,7 +157,8 @@ class QuantizedLinear(nn.Module):
         # what the matmul runs in: fp32 for ours, bf16 for torch's, else the model's own dtype
         self.compute_dtype = activation_dtype or {"ours": torch.float32, "torch": KERNEL_DTYPE}.get(
             self.kernel, self.dtype)
-        self.scale_dtype = KERNEL_DTYPE if self.kernel != "portable" else self.dtype
+        # the scales: bf16 for ours, what torch's kernels are fed for theirs, else the model's
+        self.scale_dtype = {"ours": KERNEL_DTYPE, "torch": self.compute_dtype}.get(self.kernel, self.dtype)
 
     def forward(self, x):
         shape, dtype = x.shape, x.dtype  # (..., in), the model's
