@@ -34,7 +34,7 @@ from benchmarks.decode_speed import REFERENCE, decode_speed  # noqa: E402
 from benchmarks.kv_dtypes import kv_dtype_latency, quantized_peer  # noqa: E402
 from benchmarks.llama_speed import llama_speed  # noqa: E402
 from benchmarks.peers import llama_cpp_missing, transformers_table  # noqa: E402
-from benchmarks.report import plot, print_decode_speed, print_report  # noqa: E402
+from benchmarks.report import plot, print_decode_speed, print_prefill, print_report  # noqa: E402
 from benchmarks import speculative  # noqa: E402
 from benchmarks.weight_formats import kernel_timings  # noqa: E402
 from kv_cache import CACHED_MODELS  # noqa: E402
@@ -220,6 +220,7 @@ def main():
     if "llama_speed" in r:
         print("\n# Llama-3.2-1B shape (benchmarks/llama_speed.py)")
         print_decode_speed(r["llama_speed"])
+        print_prefill(r["llama_speed"]["prefill"])
     if args.json:
         write_atomically(args.json, json_text(r, generator="benchmark.py", indent=1))
     if args.plot:

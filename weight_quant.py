@@ -30,14 +30,22 @@ The two schemes, for a weight W of shape (out, in), row n = output channel n:
         AVX-512 CPU the compiled GPT-2-small step ran 1.2x faster with 64 (docs/generation.md).
         A model whose widths 64 does not divide gets 32 (int4_group_size).
 
-The kernels: torch's CPU ones, torch._weight_int8pack_mm and
-aten._weight_int4pack_mm_for_cpu (with aten._convert_weight_to_int4pack_for_cpu for its
-packed layout), are fast only with bfloat16 activations: fed fp32 (or fp16) the int8 one
-is several times slower than a plain fp32 product (docs/benchmarks.md). So on the CPU each quantized
-Linear casts its input to bf16, runs the kernel, and casts the output back. On any other
-device (cuda, mps) a portable path dequantizes the weight and calls F.linear in the
-model's dtype: it saves memory, not time. It is deliberately simple because no GPU was
-available to test anything faster (torch's CUDA int4 kernel needs its own packing).
+The kernels, three of them (`kernel=`), chosen per Linear where it is made:
+  "ours"      on the CPU: generation/quantized_matmul.cpp, built on first use, fed fp32;
+              it quantizes the activations in blocks of 32 and reads each weight once,
+              1.5-8x torch's speed at one row on an AVX2 EPYC (docs/log/benchmarks-round-8.md);
+              from FLOAT_MATMUL_ROWS rows on, an fp32 matmul of the weight dequantized.
+              int4 weights lie two to a byte in its own order (quantized_matmul.pack_int4).
+  "torch"     on the CPU where ours cannot be built (or a width is not a multiple of 32):
+              torch._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu (with
+              aten._convert_weight_to_int4pack_for_cpu for its packed layout), fast only
+              with bfloat16 activations: fed fp32 (or fp16) the int8 one is several times
+              slower than a plain fp32 product. So the Linear casts its input to bf16.
+  "portable"  on any other device (cuda, mps): the weight dequantized and F.linear in the
+              model's dtype, in ours' layout: it saves memory, not time. It is deliberately
+              simple because no GPU was available to test anything faster.
+The scales and zero points are kept in bf16 for both CPU kernels (the same numbers either
+way), in the model's dtype for the portable path.
 
 The tied lm_head / wte: at GPT-2 size the lm_head is the biggest matrix (50257 x 768,
 30% of the bytes of a step), so it is quantized like any Linear. But the same tensor is
@@ -63,22 +71,30 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from generation import quantized_matmul
+
 SCHEMES = ("int8", "int4")
 INT4_GROUP_SIZE = 64  # the default where it divides every width (int4_group_size)
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU int4 kernel accepts
 KERNEL_DTYPE = torch.bfloat16  # the activation dtype the CPU kernels are fast with
 MIN_SCALE = 1e-12  # an all-equal row or group would have scale 0: keep the division defined
 CHUNK_ROWS = 1024  # rows quantized at a time (row_chunks)
+# from this many rows of x (a prompt, a big batch) our kernels hand over to a float matmul
+# of the weight dequantized a chunk at a time: on an AVX2 CPU the fp32 GEMM does twice the
+# multiply-adds a second of ours at 128 rows and more, and dequantizing costs one read of
+# the weight, which a product this large hardly notices (docs/benchmarks.md, the 1B section)
+FLOAT_MATMUL_ROWS = 32
 
 
 # ---------------------------------------------------------------------------- the schemes
 
 def row_chunks(weight):
-    """Slices of CHUNK_ROWS rows of weight (out, in). Both schemes quantize row by row, so a
+    """Slices of CHUNK_ROWS rows of weight (out, in), a tensor or a Linear. Both schemes quantize row by row, so a
     chunk at a time gives the same numbers as the whole matrix at once, with float
     temporaries (the fp32 copy, |W|, the quotient) the size of one chunk: a 128256 x 2048
     output layer would need ~1 GB for each."""
-    return [slice(start, start + CHUNK_ROWS) for start in range(0, weight.shape[0], CHUNK_ROWS)]
+    rows = weight.out_features if isinstance(weight, nn.Module) else weight.shape[0]
+    return [slice(start, start + CHUNK_ROWS) for start in range(0, rows, CHUNK_ROWS)]
 
 
 def quantize_int8(weight):
@@ -124,31 +140,42 @@ def dequantize_int4(q, scale, zero, group_size):
 class QuantizedLinear(nn.Module):
     """What Int8Linear and Int4Linear share: the bias, the casts around the kernel, and a
     state dict that looks like nn.Linear's. Quantize after moving the model to its device:
-    the path (CPU kernel or portable) is chosen for the device the weight is on.
-    use_cpu_kernel=False forces the portable path (the tests check it on the CPU);
-    activation_dtype overrides what the matmul runs in (benchmark.py times the kernels fed
-    fp32 to show why the default is bf16)."""
+    the kernel ("ours", "torch" or "portable", the module docstring) is chosen for the device
+    the weight is on and its width (choose_kernel); `kernel` forces one (the tests check each
+    on the CPU). activation_dtype overrides what torch's kernels are fed (benchmark.py times
+    them fed fp32 to show why the default is bf16)."""
 
-    def __init__(self, linear, use_cpu_kernel=None, activation_dtype=None):
+    def __init__(self, linear, kernel=None, activation_dtype=None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias  # the same Parameter, in the model's dtype, added after the kernel
         self.dtype = linear.weight.dtype  # the model's: what the state dict holds
-        on_cpu = linear.weight.device.type == "cpu"
-        self.use_cpu_kernel = on_cpu if use_cpu_kernel is None else use_cpu_kernel
-        # what the matmul runs in: bf16 for the CPU kernels, else the model's own dtype
-        self.compute_dtype = activation_dtype or (KERNEL_DTYPE if self.use_cpu_kernel else self.dtype)
+        self.kernel = kernel or choose_kernel(linear.weight.device, self.in_features, activation_dtype)
+        if self.kernel == "ours" and not quantized_matmul.fits(self.in_features):
+            raise ValueError(f"our quantized kernels need a built library and an input width "
+                             f"that is a multiple of {quantized_matmul.BLOCK}, not {self.in_features}")
+        # what the matmul runs in: fp32 for ours, bf16 for torch's, else the model's own dtype
+        self.compute_dtype = activation_dtype or {"ours": torch.float32, "torch": KERNEL_DTYPE}.get(
+            self.kernel, self.dtype)
+        # the scales: bf16 for ours, what torch's kernels are fed for theirs, else the model's
+        self.scale_dtype = {"ours": KERNEL_DTYPE, "torch": self.compute_dtype}.get(self.kernel, self.dtype)
 
     def forward(self, x):
-        shape = x.shape  # (..., in)
-        y = self.matmul(x.reshape(-1, self.in_features).to(self.compute_dtype))  # (rows, out)
-        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)  # back to the model's dtype
+        shape, dtype = x.shape, x.dtype  # (..., in), the model's
+        x = x.reshape(-1, self.in_features).to(self.compute_dtype)  # (rows, in)
+        many = self.kernel == "ours" and x.shape[0] >= FLOAT_MATMUL_ROWS
+        y = self.dequantized_matmul(x) if many else self.matmul(x)  # (rows, out)
+        y = y.to(dtype).reshape(*shape[:-1], self.out_features)  # back to the model's dtype
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, "
-                f"{'CPU kernel' if self.use_cpu_kernel else 'portable path'} in {self.compute_dtype}")
+                f"bias={self.bias is not None}, {self.kernel} kernel in {self.compute_dtype}")
+
+    def dequantized_matmul(self, x):
+        """x (rows, in) @ the dequantized weight.T, CHUNK_ROWS output channels at a time (a
+        128256-token head would be a 1 GB fp32 temporary at once)."""
+        return torch.cat([F.linear(x, self.dequantized_weight(rows)) for rows in row_chunks(self)], dim=1)
 
     def weight_nbytes(self):
         """Bytes a forward pass reads from this layer's weight (not counting the bias)."""
@@ -174,84 +201,110 @@ class QuantizedLinear(nn.Module):
                                       missing_keys, unexpected_keys, error_msgs)
 
 
+def choose_kernel(device, in_features, activation_dtype=None):
+    """The kernel a quantized Linear of this width on this device uses: ours on the CPU where
+    it is built and the width fits (activation_dtype, torch's kernels' knob, picks torch's),
+    torch's on the CPU otherwise, the portable path elsewhere."""
+    if device.type != "cpu":
+        return "portable"
+    return "ours" if activation_dtype is None and quantized_matmul.fits(in_features) else "torch"
+
+
 class Int8Linear(QuantizedLinear):
     """nn.Linear with int8 weights, one scale per output channel."""
 
-    def __init__(self, linear, use_cpu_kernel=None, activation_dtype=None):
-        super().__init__(linear, use_cpu_kernel, activation_dtype)
+    def __init__(self, linear, kernel=None, activation_dtype=None):
+        super().__init__(linear, kernel, activation_dtype)
         self.set_weight(linear.weight.detach())
 
     def set_weight(self, weight):
         q, scale = quantize_int8(weight)
         # buffers, not parameters, and not persistent: the state dict holds `weight` instead
         self.register_buffer("weight_int8", q, persistent=False)  # (out, in), row-major
-        self.register_buffer("scale", scale.to(self.compute_dtype), persistent=False)  # (out,)
+        self.register_buffer("scale", scale.to(self.scale_dtype), persistent=False)  # (out,)
 
     def matmul(self, x):
-        if self.use_cpu_kernel:
+        if self.kernel == "ours":
+            return quantized_matmul.kernels().int8_matmul(x, self.weight_int8, self.scale,
+                                                          quantized_matmul.best_isa())
+        if self.kernel == "torch":
             return torch._weight_int8pack_mm(x, self.weight_int8, self.scale)  # (x @ q.T) * scale
         return F.linear(x, self.weight_int8.to(x.dtype)) * self.scale  # the same, portably
 
-    def dequantized_weight(self):
-        return dequantize_int8(self.weight_int8, self.scale)
+    def dequantized_weight(self, rows=slice(None)):
+        """The weight as the layer uses it, (out, in) fp32, or those output rows of it."""
+        return dequantize_int8(self.weight_int8[rows], self.scale[rows])
 
 
 class Int4Linear(QuantizedLinear):
     """nn.Linear with 4-bit weights, a scale and a zero point per group of group_size
-    input channels. Two layouts of the same numbers: on the CPU the kernel's own packing
-    (rows padded to a multiple of 16, which it requires); elsewhere two weights per byte,
-    low nibble first."""
+    input channels. Two layouts of the same numbers: for torch's kernel its own packing
+    (rows padded to a multiple of 16, which it requires); for ours and the portable path
+    two weights per byte in blocks of 32 (quantized_matmul.pack_int4), scale and zero
+    (out, groups) each."""
 
-    def __init__(self, linear, group_size=INT4_GROUP_SIZE, use_cpu_kernel=None, activation_dtype=None):
-        super().__init__(linear, use_cpu_kernel, activation_dtype)
+    def __init__(self, linear, group_size=INT4_GROUP_SIZE, kernel=None, activation_dtype=None):
+        super().__init__(linear, kernel, activation_dtype)
         check_int4_fits(self.in_features, group_size)
         self.group_size = group_size
         self.set_weight(linear.weight.detach())
 
     def set_weight(self, weight):
         # a chunk of rows at a time, quantized and packed into the final buffers: the whole
-        # matrix's one-byte codes (and the kernel's int32 input, 4 bytes a weight) would be
+        # matrix's one-byte codes (and torch's kernel's int32 input, 4 bytes a weight) would be
         # 263 MB (1 GB) more for a 128256 x 2048 output layer
-        cpu = self.use_cpu_kernel
-        pad = -self.out_features % 16 if cpu else 0  # padded rows are computed and sliced off
-        packed = torch.empty(self.out_features + pad, self.in_features // 2, dtype=torch.uint8,
-                             device=weight.device)
-        scale_and_zero = torch.empty(self.out_features + pad, self.in_features // self.group_size, 2,
-                                     dtype=self.compute_dtype, device=weight.device)  # (out, groups, 2)
+        ours = self.kernel != "torch"
+        pad = 0 if ours else -self.out_features % 16  # torch's kernel: rows padded to 16, sliced off
+        rows_total, groups = self.out_features + pad, self.in_features // self.group_size
+        packed = torch.empty(rows_total, self.in_features // 2, dtype=torch.uint8, device=weight.device)
+        scale = torch.empty(rows_total, groups, dtype=self.scale_dtype, device=weight.device)
+        zero = torch.empty_like(scale)
         for rows in row_chunks(weight):
-            q, scale, zero = quantize_int4(weight[rows], self.group_size)
-            if rows.stop >= self.out_features:  # the last chunk takes the padding
-                rows = slice(rows.start, self.out_features + pad)
-                q, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (q, scale, zero))
-            # the kernel packs blocks of rows and takes int32; the portable layout keeps two
-            # weights a byte, 2i and 2i+1, low nibble first
-            packed[rows] = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2) if cpu
-                            else q[:, 0::2] | (q[:, 1::2] << 4))
-            scale_and_zero[rows] = torch.stack([scale, zero], dim=-1)
+            q, chunk_scale, chunk_zero = quantize_int4(weight[rows], self.group_size)
+            if pad and rows.stop >= self.out_features:  # the last chunk takes the padding
+                rows = slice(rows.start, rows_total)
+                q, chunk_scale, chunk_zero = (F.pad(t, (0, 0, 0, pad)) for t in (q, chunk_scale, chunk_zero))
+            # ours: two weights a byte in blocks of 32; torch's kernel packs blocks of rows
+            # its own way and takes int32
+            packed[rows] = (quantized_matmul.pack_int4(q) if ours else
+                            torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2))
+            scale[rows], zero[rows] = chunk_scale, chunk_zero
         self.register_buffer("weight_int4", packed, persistent=False)
-        self.register_buffer("scale_and_zero", scale_and_zero.transpose(0, 1).contiguous(),
-                             persistent=False)  # (groups, out, 2): the kernel's order
+        if ours:
+            self.register_buffer("scale", scale, persistent=False)  # (out, groups)
+            self.register_buffer("zero", zero, persistent=False)
+        else:
+            self.register_buffer("scale_and_zero", torch.stack([scale, zero], dim=-1).transpose(0, 1)
+                                 .contiguous(), persistent=False)  # (groups, out, 2): the kernel's order
 
     def matmul(self, x):
-        if self.use_cpu_kernel:
+        if self.kernel == "ours":
+            return quantized_matmul.kernels().int4_matmul(x, self.weight_int4, self.scale, self.zero,
+                                                          self.group_size, quantized_matmul.best_isa())
+        if self.kernel == "torch":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, self.weight_int4, self.group_size, self.scale_and_zero)  # (rows, padded out)
             return y[:, :self.out_features]
         return F.linear(x, self.dequantized_weight().to(x.dtype))
 
-    def dequantized_weight(self):
-        """The weight as the layer uses it, (out, in) fp32."""
-        if self.use_cpu_kernel:
+    def group_scales(self):
+        """Each group's quantization step, (out, groups) fp32."""
+        if self.kernel == "torch":
+            return self.scale_and_zero[..., 0].float().t()[:self.out_features]
+        return self.scale.float()
+
+    def dequantized_weight(self, rows=slice(None)):
+        """The weight as the layer uses it, (out, in) fp32, or those output rows of it (ours
+        and the portable path's layout only)."""
+        if self.kernel == "torch":
             # the packed layout is the kernel's own, so read it back through the kernel: the
             # identity times W.T is W.T, exact in fp32 (one nonzero product per output)
             eye = torch.eye(self.in_features, device=self.weight_int4.device)
             wt = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 eye, self.weight_int4, self.group_size, self.scale_and_zero.float())
             return wt[:, :self.out_features].t()
-        q = torch.stack([self.weight_int4 & 15, self.weight_int4 >> 4], dim=-1)  # (out, in / 2, 2)
-        scale, zero = self.scale_and_zero.transpose(0, 1).unbind(-1)  # (out, groups) each
-        return dequantize_int4(q.reshape(self.out_features, self.in_features), scale, zero,
-                               self.group_size)
+        return dequantize_int4(quantized_matmul.unpack_int4(self.weight_int4[rows]), self.scale[rows],
+                               self.zero[rows], self.group_size)
 
 
 def int4_group_size(model):
@@ -272,7 +325,7 @@ def check_int4_fits(in_features, group_size):
                          f"group size {group_size}, and one is {in_features}")
 
 
-def linear_quantizer(model, scheme, group_size=None, use_cpu_kernel=None):
+def linear_quantizer(model, scheme, group_size=None, kernel=None):
     """A function linear -> the module to stand in its place: its quantized version, or the
     Linear itself for an untied lm_head (every caller reads the model's device and dtype
     from model.lm_head.weight, which a quantized Linear no longer has). Checked against the
@@ -294,8 +347,8 @@ def linear_quantizer(model, scheme, group_size=None, use_cpu_kernel=None):
     def quantized(linear):
         if linear is model.lm_head and embedding is None:
             return linear
-        module = (Int8Linear(linear, use_cpu_kernel) if scheme == "int8"
-                  else Int4Linear(linear, group_size, use_cpu_kernel))
+        module = (Int8Linear(linear, kernel) if scheme == "int8"
+                  else Int4Linear(linear, group_size, kernel))
         if linear is model.lm_head:
             # the tied lm_head: its matmul is quantized, but its weight is also the token
             # embedding, which stays exact; keeping it here keeps model.lm_head.weight and the
@@ -305,13 +358,13 @@ def linear_quantizer(model, scheme, group_size=None, use_cpu_kernel=None):
     return quantized
 
 
-def quantize_model(model, scheme, group_size=None, use_cpu_kernel=None):
+def quantize_model(model, scheme, group_size=None, kernel=None):
     """Replace every nn.Linear of a loaded model (either family, naive or cached) by its
     quantized version (linear_quantizer), in place, and return the model. scheme: 'int8' or
     'int4'; group_size: int4's (default: int4_group_size(model)). Quantize after
     .to(device, dtype). Raises ValueError (a one-line message) where the scheme cannot
     apply, leaving the model as it was."""
-    quantized = linear_quantizer(model, scheme, group_size, use_cpu_kernel)
+    quantized = linear_quantizer(model, scheme, group_size, kernel)
     linears = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, linear in linears:

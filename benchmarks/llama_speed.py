@@ -1,10 +1,13 @@
 """
-Decode speed of a Llama-3.2-1B-shaped model beside llama.cpp on identical weights: ours in
-fp32 against llama.cpp f32, ours with --quantize int8 against q8_0 and int4 against q4_0.
+Decode and prefill speed of a Llama-3.2-1B-shaped model beside llama.cpp on identical
+weights: ours in fp32 against llama.cpp f32, bf16 against f16, --quantize int8 against
+q8_0 and int4 against q4_0; decode through llama.cpp's Python binding (greedy tokens
+compared) and, where it is built, its own llama-bench (tg, and pp for the prefill table).
 
-    python -m benchmarks.llama_speed              # 4-15 minutes on 2 cores; up to 22.5 GB of memory
-    python -m benchmarks.llama_speed --shape tiny # the same table on a tiny shape (seconds)
-    python benchmark.py --llama-speed             # the same table as a section of the whole run
+    python -m benchmarks.llama_speed              # 10-40 minutes on 2 cores; up to 22.5 GB of memory
+    python -m benchmarks.llama_speed --shape tiny # the same tables on a tiny shape (seconds)
+    python -m benchmarks.llama_speed --prefill 128 512 --forms fp32 int8 int4
+    python benchmark.py --llama-speed             # the decode table as a section of the whole run
 
 The model has random weights in Llama 3.2 1B's shape: 16 blocks 2048 wide, 32 query heads
 over 8 key/value heads of 64 (grouped-query attention), SwiGLU 8192 wide, 128,256 tokens with
@@ -18,8 +21,9 @@ whole generation, each form against the floor its bytes set, greedy agreement wi
 What limits it: at batch 1 a step reads every weight once (4.9 GB in fp32 with the
 tied 1 GB table read by the output layer, 1.4 GB in int8, 0.9 GB in int4 plus the exact
 table the lookup keeps), so each contestant is bound by memory bandwidth, and the
-difference between two is how far each gets from its floor (our int8/int4 Linear casts to
-bfloat16 around torch's CPU kernels; llama.cpp's kernels read its blocks directly).
+difference between two is how far each gets from its floor. A prefill is bound by
+arithmetic instead (benchmarks/prefill_speed.py): its rows say the GFLOP/s each form
+reached against torch's matrix product in its dtype, measured in the same run.
 """
 
 from plumbing.script import begin, run
@@ -32,8 +36,10 @@ import torch  # noqa: E402
 from base_model import store_linears_column_major  # noqa: E402
 from benchmarks.cache_cost import bandwidth_floor  # noqa: E402
 from benchmarks.decode_speed import decode_speed  # noqa: E402
+from benchmarks.llama_bench import llama_bench_missing, llama_bench_rows  # noqa: E402
+from benchmarks.prefill_speed import FORMS, matmul_peak, prefill_rows  # noqa: E402
 from benchmarks.peers import llama_cpp_missing  # noqa: E402
-from benchmarks.report import print_decode_speed  # noqa: E402
+from benchmarks.report import print_decode_speed, print_prefill  # noqa: E402
 from kv_cache import KVCacheLlama  # noqa: E402
 from llama import LlamaConfig  # noqa: E402
 from plumbing.cli import ArgumentParser, add_benchmark_args  # noqa: E402
@@ -49,8 +55,9 @@ SHAPES = {
                         n_embd=256, intermediate_size=704, rope_theta=500000.0,
                         rope_scaling=LLAMA3_SCALING, tie_embeddings=True),
 }
-CONTESTANTS = ("ours fp32 eager", "ours int8", "ours int4")
-LLAMA_OUTTYPES = ("f32", "q8_0", "q4_0")
+LLAMA_OUTTYPES = ("f32", "q8_0", "q4_0")  # through the binding (it has no bf16; f16 is llama-bench's)
+BENCH_OUTTYPES = {"fp32": "f32", "bf16": "f16", "int8": "q8_0", "int4": "q4_0"}  # ours: llama-bench's
+PREFILL_LENGTHS = (128, 512, 2048)
 
 
 def random_llama(config, device="cpu", seed=0):
@@ -62,19 +69,36 @@ def random_llama(config, device="cpu", seed=0):
     return store_linears_column_major(KVCacheLlama(config).to(device).eval())
 
 
-def llama_speed(shape, n, reps, device):
-    """decode_speed's table for a random model of SHAPES[shape]: ours in fp32, int8 and int4
-    beside llama.cpp f32, q8_0 and q4_0, and the ratio of each pair."""
+def llama_speed(shape, n, reps, device, prefill_lengths=PREFILL_LENGTHS, forms=tuple(FORMS)):
+    """decode_speed's table for a random model of SHAPES[shape]: ours in fp32, bf16, int8 and
+    int4 beside llama.cpp f32, q8_0 and q4_0, and the ratio of each pair; then each form's
+    prefill at prefill_lengths, and llama-bench's pp and tg where it is built. forms: which
+    of ours run (FORMS' names), in both tables."""
     model = random_llama(SHAPES[shape], device)
     label = f"{shape} shape"
     llama_note = (llama_cpp_missing() if device.type == "cpu" else
                   f"llama.cpp skipped: this llama.cpp build runs on the CPU, the benchmark on {device.type}")
     result = decode_speed({label: model}, n, reps, {label: bandwidth_floor(model, reps)},
                           compile_note="compiled row left out here (a long compile at this size)",
-                          llama_cpp_note=llama_note, contestants=CONTESTANTS,
+                          llama_cpp_note=llama_note, contestants=[FORMS[f] for f in forms],
                           llama_outtypes=LLAMA_OUTTYPES)
     result["pairs"] = result["models"][0]["pairs"]
+    floor = result["models"][0]["read_GBps"]
+    result["prefill"] = prefill_section(model, label, n, reps, prefill_lengths, forms, floor)
     return result
+
+
+def prefill_section(model, label, n, reps, lengths, forms, read_GBps):
+    """Ours' prefill rows, the machine's matmul peaks, and llama-bench's pp/tg (or why not)."""
+    note = llama_bench_missing()
+    bench = {} if note else llama_bench_rows(model, label, [BENCH_OUTTYPES[f] for f in forms],
+                                             lengths, n, reps)
+    for row in bench.values():  # its decode against the same floor as ours'
+        row["floor_ms"] = row["weight_bytes"] / read_GBps / 1e6
+    return {"lengths": list(lengths), "ours": prefill_rows(model, forms, lengths, reps),
+            "peak_GFLOPs": {"fp32": matmul_peak(model, torch.float32, reps),
+                            "bf16": matmul_peak(model, torch.bfloat16, reps)},
+            "llama_bench": bench, "llama_bench_note": note, "pairs": BENCH_OUTTYPES}
 
 
 def main():
@@ -83,11 +107,24 @@ def main():
     p.add_argument("--shape", choices=list(SHAPES), default="llama-3.2-1b",
                    help="the model's shape (default: llama-3.2-1b; tiny: seconds, for a check)")
     add_benchmark_args(p, tokens=32)
+    p.add_argument("--prefill", type=int, nargs="+", default=list(PREFILL_LENGTHS), metavar="T",
+                   help="prompt lengths of the prefill table (default: 128 512 2048)")
+    p.add_argument("--forms", nargs="+", choices=list(FORMS), default=list(FORMS),
+                   help="ours' forms in both tables (default: all; bf16 copies the fp32 model "
+                        "first: 5 GB more at the 1B shape)")
     args = p.parse_args()
     if args.json is not None:
         check_output_path(args.json, "json")
-    result = llama_speed(args.shape, args.tokens, args.reps, torch.device("cpu"))
-    publish_result(result, "benchmarks.llama_speed", print_decode_speed, args.json)
+    context = SHAPES[args.shape].context_len
+    if not all(0 < T <= context for T in args.prefill):
+        p.error(f"--prefill lengths must be from 1 to the shape's context, {context}")
+    result = llama_speed(args.shape, args.tokens, args.reps, torch.device("cpu"), args.prefill, args.forms)
+    publish_result(result, "benchmarks.llama_speed", print_llama_speed, args.json)
+
+
+def print_llama_speed(result):
+    print_decode_speed(result)
+    print_prefill(result["prefill"])
 
 
 if __name__ == "__main__":

@@ -191,3 +191,30 @@ def plot(r, path, plt):
     # the Software text chunk marks the PNG as ours (cli.check_output_path)
     write_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110,
                                                    metadata={"Software": f"{MARK} benchmark.py"}))
+
+
+def print_prefill(p):
+    """benchmarks/llama_speed.py's prefill table, and llama-bench's decode beside ours'."""
+    peaks = p["peak_GFLOPs"]
+    print(f"\n## Prefill: prompt tokens/s of one pass, ours beside llama-bench -p; roofline: "
+          f"torch's matmul here {peaks['fp32']:.0f} GFLOP/s in fp32, {peaks['bf16']:.0f} in bf16 "
+          "(the quantized forms multiply in fp32 at this size)")
+    if p["llama_bench_note"]:
+        print(p["llama_bench_note"])
+    print("| ours | prompt tokens | tok/s | GFLOP/s | x of its peak | llama-bench | its pp tok/s "
+          "| ours / llama-bench |")
+    print("|---|---|---|---|---|---|---|---|")
+    for form, row in p["ours"].items():
+        theirs = p["llama_bench"].get(f"llama.cpp {p['pairs'][form]}", {}).get("pp", {})
+        for T in p["lengths"]:
+            peak = peaks["bf16" if form == "bf16" else "fp32"]
+            pp = theirs.get(T)
+            versus = f"{row['tok_s'][T]['median'] / pp:.2f}x" if pp else "-"
+            print(f"| {form} | {T} | {fmt_spread(row['tok_s'][T])} | {row['GFLOPs'][T]:.1f} | "
+                  f"{row['GFLOPs'][T] / peak:.2f} | {p['pairs'][form]} | {pp or 0:.1f} | {versus} |")
+    if p["llama_bench"]:
+        print("| llama-bench | tg tok/s | MB read per token | floor ms | x floor |")
+        print("|---|---|---|---|---|")
+        for name, row in p["llama_bench"].items():
+            print(f"| {name} | {row['tg']:.1f} | {row['weight_bytes'] / 1e6:.1f} | {row['floor_ms']:.2f} | "
+                  f"{1e3 / row['tg'] / row['floor_ms']:.1f}x |")

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from benchmarks.timing import repeat
+from generation import quantized_matmul
 from generation.loop import synchronize
 from weight_quant import INT4_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear, QuantizedLinear
 
@@ -67,13 +68,17 @@ def kernel_timings(model, shape, reps):
         "fp32, column-major (our layout)": (lambda m: m, fp32),
         "fp32, row-major (nn.Linear's default)": (row_major, fp32),
         "bf16": (lambda m: copy.deepcopy(m).to(bf16), bf16),
-        "int8, bf16 activations": (Int8Linear, fp32),
-        "int8, fp32 activations": (lambda m: Int8Linear(m, activation_dtype=fp32), fp32),
-        **{f"int4 groups of {g}, bf16 activations": (lambda m, g=g: Int4Linear(m, g), fp32)
+        "int8, torch's, bf16 activations": (lambda m: Int8Linear(m, kernel="torch"), fp32),
+        "int8, torch's, fp32 activations": (lambda m: Int8Linear(m, activation_dtype=fp32), fp32),
+        **{f"int4 groups of {g}, torch's, bf16 activations": (lambda m, g=g: Int4Linear(m, g, kernel="torch"), fp32)
            for g in INT4_GROUP_SIZES if model.config.n_embd % g == 0},
-        f"int4 groups of {INT4_GROUP_SIZE}, fp32 activations":
+        f"int4 groups of {INT4_GROUP_SIZE}, torch's, fp32 activations":
             (lambda m: Int4Linear(m, activation_dtype=fp32), fp32),
     }
+    if quantized_matmul.kernels() is not None:  # ours, where it could be built
+        variants["int8, ours (int8 activations)"] = (lambda m: Int8Linear(m, kernel="ours"), fp32)
+        variants[f"int4 groups of {INT4_GROUP_SIZE}, ours (int8 activations)"] = (
+            lambda m: Int4Linear(m, kernel="ours"), fp32)
     timings = {}
     for label, (build, dtype) in variants.items():
         layers = [build(m) for m in linears]

@@ -44,7 +44,7 @@ def test_quick_benchmark_writes_its_report(tmp_path):
     assert checkpoint["rows"]["ours fp32 eager"]["greedy_leading_same"] == checkpoint["tokens"] == 8
     kernels = report["kernels"]["variants"]
     assert all(v["ms"] > 0 for v in kernels.values())
-    assert "int8, fp32 activations" in kernels and "int4 groups of 128, bf16 activations" in kernels
+    assert "int8, torch's, fp32 activations" in kernels and "int4 groups of 128, torch's, bf16 activations" in kernels
     # speculative decoding on the bundled model and its draft (the peers: the test below)
     spec = report["speculative"]
     assert set(spec["prompt_lookup"]["rows"]) == {"ours plain", "ours lookup K=8 N=2"}
@@ -177,11 +177,18 @@ def test_context_policies_on_a_llama(tmp_path):
 
 def test_llama_speed_table_on_a_tiny_shape():
     """benchmarks/llama_speed.py's table on its tiny shape: ours fp32, int8, int4 (and
-    llama.cpp's f32, q8_0 and q4_0 when llama-cpp-python is installed), the pairs' ratios."""
+    llama.cpp's f32, q8_0 and q4_0 when llama-cpp-python is installed), the pairs' ratios;
+    the prefill table's rows for each form and length, and llama-bench's where it is built."""
     from benchmarks.llama_speed import llama_speed
-    r = llama_speed("tiny", 4, 1, torch.device("cpu"))
+    r = llama_speed("tiny", 4, 1, torch.device("cpu"), prefill_lengths=(8, 32), forms=("fp32", "int8", "int4"))
     rows = r["models"][0]["rows"]
     assert {"ours fp32 eager", "ours int8", "ours int4"} <= set(rows)
+    prefill = r["prefill"]
+    assert set(prefill["ours"]) == {"fp32", "int8", "int4"}
+    assert all(set(row["tok_s"]) == {8, 32} and row["GFLOPs"][32] > 0 for row in prefill["ours"].values())
+    if prefill["llama_bench_note"] is None:
+        assert set(prefill["llama_bench"]) == {"llama.cpp f32", "llama.cpp q8_0", "llama.cpp q4_0"}
+        assert all(set(row["pp"]) == {8, 32} and row["tg"] > 0 for row in prefill["llama_bench"].values())
     if r["llama_cpp_note"] is None:
         assert {"llama.cpp f32", "llama.cpp q8_0", "llama.cpp q4_0"} <= set(rows)
         assert set(r["pairs"]) == {"ours fp32 eager / llama.cpp f32", "ours int8 / llama.cpp q8_0",

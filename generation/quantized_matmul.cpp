@@ -1,0 +1,289 @@
+// The quantized matrix products of quantized_matmul.py, written by hand for the CPU.
+//
+// At batch 1 a Linear reads every weight once for one multiply-add, so its time is the
+// bytes it reads: 1 byte a weight in int8, half a byte in int4. These kernels read each
+// weight block once and do the arithmetic in 8-bit integers, as llama.cpp's q8_0 x q8_0 and
+// q4_0 x q8_0 do: the activations are quantized too, in blocks of 32 (one fp32 scale each),
+// so 32 weights times 32 activations is a handful of integer instructions instead of a
+// conversion of every weight to float.
+//
+//   int8, per output channel n:  W[n, k] ~ q[n, k] * scale[n]
+//       y[m, n] = scale[n] * sum_b d[m, b] * (sum_{k in b} q[n, k] * xq[m, k])
+//   int4, in groups g of G input channels:  W[n, k] ~ (q[n, k] - 8) * s[n, g] + zero[n, g]
+//       with q in [0, 15] (the scheme's zero is the value at level 8)
+//       y[m, n] = sum_g s[n, g] * sum_{b in g} d[m, b] * (sum_{k in b} q[n, k] * xq[m, k])
+//                     - 8 * s[n, g] * sum_{b in g} d[m, b] * sum_{k in b} xq[m, k]
+//                     + zero[n, g] * sum_{k in g} x[m, k]       (that sum exact, in fp32)
+//       (the first two lines are (q - 8) times the rounded x, taken apart because the
+//       integer instruction wants an unsigned q: together their rounding error scales with
+//       |q - 8| as the weight's does, not with q)
+//   where the activations x[m, b] ~ xq[m, b] * d[m, b], xq in [-127, 127], d = max|x| / 127.
+//
+// int4 weights lie two to a byte, in blocks of 32: byte j of a block holds weight j in its
+// low 4 bits and weight j + 16 in its high 4 (llama.cpp's q4_0 order: one load and two masks
+// give the block's 32 weights in order).
+//
+// Each product comes three times, one per instruction set, chosen by what the CPU has at
+// run time (quantized_matmul.py asks kernel_isas() and passes the best): "portable" (plain
+// C++, any CPU), "avx2" (AVX2 + FMA: 32 weights a step) and "avx512vnni" (AVX-512 with
+// VNNI's 8-bit dot product instruction: 64 a step). Output rows n are split among torch's
+// threads; every row of x is multiplied by a weight row while it is in the L1 cache, so each
+// weight leaves memory once however many rows x has.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK = 32;  // activations (and int4 weights) are stored in blocks of 32
+
+// ------------------------------------------------------------------ the activations, in 8 bits
+
+// x (M, K) fp32 -> xq (M, K) int8 and d (M, K / 32): per block of 32, d = max|x| / 127 and
+// xq = round(x / d), so that x ~ xq * d within d / 2.
+void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* xq, float* d) {
+  at::parallel_for(0, M * (K / BLOCK), 64, [&](int64_t first, int64_t end) {
+    for (int64_t blk = first; blk < end; ++blk) {
+      const float* xb = x + blk * BLOCK;
+      float amax = 0.f;
+      for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float scale = amax / 127.f;
+      const float inverse = scale > 0.f ? 1.f / scale : 0.f;  // an all-zero block stays zero
+      d[blk] = scale;
+      for (int64_t i = 0; i < BLOCK; ++i) xq[blk * BLOCK + i] = (int8_t)std::nearbyint(xb[i] * inverse);
+    }
+  });
+}
+
+// ------------------------------------------------------------------ portable: any CPU
+
+float int8_row_portable(const int8_t* w, const int8_t* xq, const float* d, int64_t K) {
+  float sum = 0.f;
+  for (int64_t b = 0; b < K / BLOCK; ++b) {
+    int32_t dot = 0;
+    for (int64_t i = 0; i < BLOCK; ++i) dot += w[b * BLOCK + i] * xq[b * BLOCK + i];
+    sum += d[b] * (float)dot;
+  }
+  return sum;
+}
+
+// the part of an int4 row's product that its levels make: sum_g s_g * sum_b d_b * dot_b
+float int4_row_portable(const uint8_t* w, const at::BFloat16* s, const int8_t* xq, const float* d,
+                        int64_t K, int group_shift) {
+  float sum = 0.f;
+  for (int64_t b = 0; b < K / BLOCK; ++b) {
+    const uint8_t* wb = w + b * BLOCK / 2;
+    int32_t dot = 0;
+    for (int64_t j = 0; j < BLOCK / 2; ++j)
+      dot += (wb[j] & 15) * xq[b * BLOCK + j] + (wb[j] >> 4) * xq[b * BLOCK + j + 16];
+    sum += s[b >> group_shift] * d[b] * (float)dot;
+  }
+  return sum;
+}
+
+// ------------------------------------------------------------------ AVX2 + FMA: 32 at a time
+
+__attribute__((target("avx2,fma"))) float sum_lanes_avx2(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+
+// 32 unsigned bytes times 32 signed ones, summed in pairs to 16 int16 and in pairs again to
+// 8 int32 (no overflow: |u * s| <= 255 * 127, two of them fit in int16 only when u <= 128,
+// which the callers keep: |int8| <= 127 here, int4 levels <= 15)
+__attribute__((target("avx2,fma"))) __m256i dot_u8_s8_avx2(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+__attribute__((target("avx2,fma"))) float int8_row_avx2(const int8_t* w, const int8_t* xq,
+                                                        const float* d, int64_t K) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / BLOCK; ++b) {
+    __m256i x = _mm256_loadu_si256((const __m256i*)(xq + b * BLOCK));
+    __m256i y = _mm256_loadu_si256((const __m256i*)(w + b * BLOCK));
+    // signed times signed has no instruction: move x's sign onto y and multiply |x| by it
+    __m256i dot = dot_u8_s8_avx2(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d[b]), acc);
+  }
+  return sum_lanes_avx2(acc);
+}
+
+__attribute__((target("avx2,fma"))) float int4_row_avx2(const uint8_t* w, const at::BFloat16* s,
+                                                        const int8_t* xq, const float* d,
+                                                        int64_t K, int group_shift) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / BLOCK; ++b) {
+    __m128i packed = _mm_loadu_si128((const __m128i*)(w + b * BLOCK / 2));  // 16 bytes, 32 weights
+    // weights 0-15 from the low halves, 16-31 from the high halves: the block in order
+    __m256i levels = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low4);
+    __m256i x = _mm256_loadu_si256((const __m256i*)(xq + b * BLOCK));
+    __m256i dot = dot_u8_s8_avx2(levels, x);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[b >> group_shift] * d[b]), acc);
+  }
+  return sum_lanes_avx2(acc);
+}
+
+// ------------------------------------------------------------------ AVX-512 VNNI: 64 at a time
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+// the scales of two neighbouring blocks, b in the low 8 lanes and b + 1 in the high 8
+AVX512 __m512 two_scales(float low, float high) {
+  return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(low), _mm512_set1_ps(high));
+}
+
+AVX512 float int8_row_avx512(const int8_t* w, const int8_t* xq, const float* d, int64_t K) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= K / BLOCK; b += 2) {  // two blocks at a time
+    __m512i x = _mm512_loadu_si512(xq + b * BLOCK);
+    __m512i y = _mm512_loadu_si512(w + b * BLOCK);
+    // as in AVX2, |x| times y with x's sign (AVX-512 has no sign_epi8: negate y where x < 0)
+    __m512i signed_y = _mm512_mask_sub_epi8(y, _mm512_movepi8_mask(x), _mm512_setzero_si512(), y);
+    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(x), signed_y);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), two_scales(d[b], d[b + 1]), acc);
+  }
+  float sum = _mm512_reduce_add_ps(acc);
+  if (b < K / BLOCK) sum += int8_row_portable(w + b * BLOCK, xq + b * BLOCK, d + b, BLOCK);  // an odd block
+  return sum;
+}
+
+AVX512 float int4_row_avx512(const uint8_t* w, const at::BFloat16* s, const int8_t* xq, const float* d,
+                             int64_t K, int group_shift) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= K / BLOCK; b += 2) {
+    __m256i packed = _mm256_loadu_si256((const __m256i*)(w + b * BLOCK / 2));  // two blocks
+    __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    // 128-bit lanes (lo b, lo b+1, hi b, hi b+1) reordered to (lo b, hi b, lo b+1, hi b+1)
+    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    __m512i levels = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), levels, _mm512_loadu_si512(xq + b * BLOCK));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                          two_scales(s[b >> group_shift] * d[b], (float)s[(b + 1) >> group_shift] * d[b + 1]), acc);
+  }
+  float sum = _mm512_reduce_add_ps(acc);
+  if (b < K / BLOCK)  // an odd block: the portable loop over it alone, with its group's scale
+    sum += int4_row_portable(w + b * BLOCK / 2, s + (b >> group_shift), xq + b * BLOCK, d + b, BLOCK, 0);
+  return sum;
+}
+
+// ------------------------------------------------------------------ picking and checking
+
+bool cpu_has(const std::string& isa) {
+  if (isa == "portable") return true;
+  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == "avx512vnni")
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+  return false;
+}
+
+// The instruction sets this CPU runs, best last.
+std::vector<std::string> kernel_isas() {
+  std::vector<std::string> isas;
+  for (const char* isa : {"portable", "avx2", "avx512vnni"})
+    if (cpu_has(isa)) isas.push_back(isa);
+  return isas;
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& w, int64_t K, const std::string& isa) {
+  TORCH_CHECK(cpu_has(isa), "quantized_matmul: this CPU does not run ", isa);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "quantized_matmul: x must be a contiguous (rows, in) float32 tensor");
+  TORCH_CHECK(x.size(1) == K && K % BLOCK == 0, "quantized_matmul: x has ", x.size(1),
+              " columns; the weight wants ", K, ", a multiple of ", BLOCK);
+  TORCH_CHECK(w.is_contiguous(), "quantized_matmul: the weight must be contiguous");
+}
+
+// x (M, K) fp32, q (N, K) int8, scale (N,) bf16 -> (M, N) fp32: x @ (q * scale[:, None]).T
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, std::string isa) {
+  const int64_t M = x.size(0), N = q.size(0), K = q.size(1);
+  check_inputs(x, q, K, isa);
+  TORCH_CHECK(q.scalar_type() == at::kChar && scale.scalar_type() == at::kBFloat16 && scale.numel() == N,
+              "int8_matmul: q must be int8 (out, in) and scale bfloat16 (out,)");
+  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto d = at::empty({M, K / BLOCK}, x.options());
+  quantize_activations(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), d.data_ptr<float>());
+  auto row = isa == "avx512vnni" ? int8_row_avx512 : isa == "avx2" ? int8_row_avx2 : int8_row_portable;
+  auto y = at::empty({M, N}, x.options());
+  const int8_t *w = q.data_ptr<int8_t>(), *xq_data = xq.data_ptr<int8_t>();
+  const float* d_data = d.data_ptr<float>();
+  const at::BFloat16* scale_data = scale.data_ptr<at::BFloat16>();
+  float* y_data = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t first, int64_t end) {
+    for (int64_t n = first; n < end; ++n)
+      for (int64_t m = 0; m < M; ++m)  // the weight row stays in L1 across x's rows
+        y_data[m * N + n] = scale_data[n] * row(w + n * K, xq_data + m * K, d_data + m * (K / BLOCK), K);
+  });
+  return y;
+}
+
+// x (M, K) fp32, packed (N, K / 2) uint8 (the block order above), scale and zero (N, K / G)
+// bf16 (as torch's kernels take them) -> (M, N) fp32: x @ W.T with
+// W[n, k] = (level - 8) * scale[n, g] + zero[n, g].
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       const at::Tensor& zero, int64_t group_size, std::string isa) {
+  const int64_t M = x.size(0), N = packed.size(0), K = packed.size(1) * 2, groups = K / group_size;
+  check_inputs(x, packed, K, isa);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && group_size >= BLOCK && K % group_size == 0 &&
+              (group_size & (group_size - 1)) == 0,
+              "int4_matmul: packed must be uint8 (out, in / 2) and the group a power of 2 from ", BLOCK);
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && zero.scalar_type() == at::kBFloat16 &&
+              scale.numel() == N * groups && zero.numel() == N * groups && scale.is_contiguous() &&
+              zero.is_contiguous(), "int4_matmul: scale and zero must be contiguous bfloat16 (out, groups)");
+  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto d = at::empty({M, K / BLOCK}, x.options());
+  const float* x_data = x.data_ptr<float>();
+  quantize_activations(x_data, M, K, xq.data_ptr<int8_t>(), d.data_ptr<float>());
+  auto group_sums = x.view({M, groups, group_size}).sum(2).contiguous();  // (M, groups), exact
+  // sum_{b in g} d[m, b] * sum_{k in b} xq[m, k]: the rounded x's sums, (M, groups)
+  auto rounded_sums = (xq.view({M, K / BLOCK, BLOCK}).sum(2).to(at::kFloat).mul(d))
+                          .view({M, groups, group_size / BLOCK}).sum(2).contiguous();
+  // block b's group is b >> group_shift (a shift, not a division, in the innermost loop)
+  const int group_shift = __builtin_ctzll(group_size / BLOCK);
+  auto row = isa == "avx512vnni" ? int4_row_avx512 : isa == "avx2" ? int4_row_avx2 : int4_row_portable;
+  auto y = at::empty({M, N}, x.options());
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const int8_t* xq_data = xq.data_ptr<int8_t>();
+  const float* d_data = d.data_ptr<float>();
+  const at::BFloat16 *s = scale.data_ptr<at::BFloat16>(), *z = zero.data_ptr<at::BFloat16>();
+  const float *sums = group_sums.data_ptr<float>(), *rounded = rounded_sums.data_ptr<float>();
+  float* y_data = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t first, int64_t end) {
+    for (int64_t n = first; n < end; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        float offsets = 0.f;  // the second and third lines of the formula at the top
+        for (int64_t g = 0; g < groups; ++g)
+          offsets += z[n * groups + g] * sums[m * groups + g] - 8.f * s[n * groups + g] * rounded[m * groups + g];
+        y_data[m * N + n] = offsets + row(w + n * K / 2, s + n * groups, xq_data + m * K,
+                                          d_data + m * (K / BLOCK), K, group_shift);
+      }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvcache_gpt_quant, m) {
+  m.def("kernel_isas() -> str[]", kernel_isas);
+  m.def("int8_matmul(Tensor x, Tensor q, Tensor scale, str isa) -> Tensor");
+  m.def("int4_matmul(Tensor x, Tensor packed, Tensor scale, Tensor zero, int group_size, str isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvcache_gpt_quant, CPU, m) {
+  m.impl("int8_matmul", int8_matmul);
+  m.impl("int4_matmul", int4_matmul);
+}

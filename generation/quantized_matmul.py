@@ -1,0 +1,78 @@
+"""
+Our int8 and int4 matrix products for the CPU (quantized_matmul.cpp), the kernels that
+weight_quant.py's Linears call where they can be built: each weight block read once, the
+activations quantized in blocks of 32 and the products taken in 8-bit integers, in AVX2 or
+AVX-512 VNNI as the CPU has (picked at run time), else plain C++.
+
+Why our own: at one row torch's CPU kernels (torch._weight_int8pack_mm,
+_weight_int4pack_mm_for_cpu) read the 1B model's int8 and int4 weights at 1-8 GB/s on one
+core of an AVX2 EPYC, these at 1.5-8x that in the same runs, up to the memory's own speed
+(docs/log/benchmarks-round-8.md). torchao, the library that would be the kept
+alternative, ships no CPU kernels in its PyPI wheel (0.18: its compiled parts are CUDA's),
+and its CPU int8/int4 weight-only paths call those same torch kernels.
+
+The first call on a machine compiles the library (serving/kernel_build.py: a private
+folder, one build at a time, ~20 s) and later processes load it. `kernels()` is None where
+it cannot be built (no compiler, no ninja; with a warning), and weight_quant.py then uses
+torch's kernels. Each operator has a fake (its output's shape) so that torch.compile and
+AOTInductor trace through it and call it from the compiled program.
+
+The numbers: x is rounded to int8 per block (|error| <= max|x| in the block / 254), so a
+product differs from x @ W.T with W the dequantized weight by about the same relative
+amount as torch's kernels, which round x to bfloat16 (8 significant bits): tests say how much.
+"""
+
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+
+from serving.kernel_build import build_kernel
+
+KERNEL_SOURCE = Path(__file__).with_name("quantized_matmul.cpp")
+BLOCK = 32  # the activations' block: every input width must be a multiple of it
+
+
+@functools.cache
+def kernels():
+    """torch.ops.kvcache_gpt_quant (int8_matmul, int4_matmul, kernel_isas), built or loaded
+    on the first call; None, with a warning, where it cannot be built."""
+    error = build_kernel(KERNEL_SOURCE, "kvcache_gpt_quantized_matmul")
+    if error:
+        warnings.warn(f"our quantized matmul kernels could not be built ({error}); using torch's",
+                      stacklevel=2)
+        return None
+
+    @torch.library.register_fake("kvcache_gpt_quant::int8_matmul")
+    def _(x, q, scale, isa):  # shapes only, for torch.compile's tracing
+        return x.new_empty(x.shape[0], q.shape[0])
+
+    @torch.library.register_fake("kvcache_gpt_quant::int4_matmul")
+    def _(x, packed, scale, zero, group_size, isa):
+        return x.new_empty(x.shape[0], packed.shape[0])
+    return torch.ops.kvcache_gpt_quant
+
+
+@functools.cache
+def best_isa():
+    """The fastest instruction set this CPU runs ('avx512vnni', 'avx2' or 'portable')."""
+    return kernels().kernel_isas()[-1]
+
+
+def fits(in_features):
+    """Whether our kernels take a Linear this wide (blocks of 32) and were built."""
+    return in_features % BLOCK == 0 and kernels() is not None
+
+
+def pack_int4(q):
+    """q (out, in) uint8 levels in [0, 15] -> (out, in / 2) uint8 in the kernel's order: per
+    block of 32, byte j holds weight j (low 4 bits) and weight j + 16 (high 4)."""
+    blocks = q.reshape(q.shape[0], -1, 2, BLOCK // 2)  # (out, blocks, halves, 16)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).flatten(1)
+
+
+def unpack_int4(packed):
+    """pack_int4's inverse: (out, in / 2) -> (out, in) levels."""
+    blocks = packed.reshape(packed.shape[0], -1, 1, BLOCK // 2)  # (out, blocks, 1, 16)
+    return torch.cat([blocks & 15, blocks >> 4], dim=2).flatten(1)

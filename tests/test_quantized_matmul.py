@@ -1,0 +1,109 @@
+"""Our quantized matrix products (generation/quantized_matmul.cpp): every instruction set
+this CPU runs gives the portable loop's numbers, each is within the rounding of its int8
+activations of x @ W.T, the int4 layout packs and unpacks exactly, bad inputs are refused
+in a line, and torch.compile calls the operator from a compiled graph.
+
+Tolerances: between instruction sets only the order of fp32 sums differs (the integer
+dot products are exact), ~1e-6 of the sum of |x_k W[n, k]|; against x @ W.T the bound of
+tests/test_weight_quant.py's docstring (each activation moves by at most half its block's
+step)."""
+
+import pytest
+import torch
+
+from generation import quantized_matmul
+from test_weight_quant import int8_activations_bound
+from weight_quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+ops = quantized_matmul.kernels()
+pytestmark = pytest.mark.skipif(ops is None, reason="our quantized kernels could not be built here")
+ISAS = ops.kernel_isas() if ops is not None else []
+SHAPES = [(1, 64, 96), (3, 80, 256), (2, 40, 1024)]  # (rows, out, in): 96 is an odd count of blocks
+
+
+def int8_case(rows, out_features, in_features, seed=0):
+    """x, the int8 weight and bf16 scale, and the weight they stand for."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g)
+    q, scale = quantize_int8(w)
+    scale = scale.bfloat16()
+    return x, q, scale, dequantize_int8(q, scale)
+
+
+def int4_case(rows, out_features, in_features, group_size=32, seed=0):
+    """x, the packed weight, bf16 scale and zero, the weight and its zero per column."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g)
+    q, scale, zero = quantize_int4(w, group_size)
+    scale, zero = scale.bfloat16(), zero.bfloat16()
+    dq = dequantize_int4(q, scale, zero, group_size)
+    return x, quantized_matmul.pack_int4(q), scale, zero, dq, zero.float().repeat_interleave(group_size, 1)
+
+
+def sum_order_tolerance(x, weight):
+    return 1e-6 * (x.abs() @ weight.abs().T) + 1e-6
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_every_instruction_set_gives_the_portable_numbers_within_rounding(isa, shape):
+    x, q, scale, dq = int8_case(*shape)
+    y = ops.int8_matmul(x, q, scale, isa)
+    assert y.shape == (shape[0], shape[1]) and y.dtype == torch.float32
+    assert ((y - ops.int8_matmul(x, q, scale, "portable")).abs() <= sum_order_tolerance(x, dq)).all()
+    assert ((y - x @ dq.T).abs() <= int8_activations_bound(x, dq)).all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4_every_instruction_set_gives_the_portable_numbers_within_rounding(isa, shape, group_size):
+    if shape[2] % group_size:
+        pytest.skip("a width the group does not divide")
+    x, packed, scale, zero, dq, zero_per_column = int4_case(*shape, group_size)
+    y = ops.int4_matmul(x, packed, scale, zero, group_size, isa)
+    portable = ops.int4_matmul(x, packed, scale, zero, group_size, "portable")
+    assert ((y - portable).abs() <= sum_order_tolerance(x, dq)).all()
+    # the integers multiply the weight less its group's zero point (the zero's term is exact)
+    assert ((y - x @ dq.T).abs() <= int8_activations_bound(x, dq - zero_per_column)).all()
+
+
+def test_the_activations_rounding_is_what_limits_it():
+    # a sanity check on the bound: x whose blocks hold only multiples of their step (127
+    # levels of max |x| / 127) is exact in int8, so the product is x @ W.T up to fp32 sums
+    x, q, scale, dq = int8_case(2, 48, 256)
+    x = torch.randint(-127, 128, x.shape).float() * 0.25
+    x[:, ::32] = 127 * 0.25  # each block's max: its step is exactly 0.25
+    y = ops.int8_matmul(x, q, scale, ISAS[-1])
+    assert ((y - x @ dq.T).abs() <= sum_order_tolerance(x, dq)).all()
+
+
+def test_int4_packing_round_trips():
+    q = torch.randint(0, 16, (5, 128), dtype=torch.uint8)
+    packed = quantized_matmul.pack_int4(q)
+    assert packed.shape == (5, 64) and torch.equal(quantized_matmul.unpack_int4(packed), q)
+    assert packed[0, 0] == q[0, 0] | (q[0, 16] << 4)  # byte j of a block: weights j and j + 16
+
+
+def test_bad_inputs_are_refused_in_a_line():
+    x, q, scale, _ = int8_case(1, 8, 64)
+    with pytest.raises(RuntimeError, match="the weight wants 64"):
+        ops.int8_matmul(x[:, :32].contiguous(), q, scale, "portable")
+    with pytest.raises(RuntimeError, match="does not run"):
+        ops.int8_matmul(x, q, scale, "no-such-isa")
+    with pytest.raises(RuntimeError, match="scale bfloat16"):
+        ops.int8_matmul(x, q, scale.float(), "portable")
+    x, packed, scale, zero, _, _ = int4_case(1, 8, 64)
+    with pytest.raises(RuntimeError, match="power of 2"):
+        ops.int4_matmul(x, packed, scale, zero, 48, "portable")
+
+
+def test_a_compiled_graph_calls_the_operators():
+    x, q, scale, _ = int8_case(1, 64, 96)
+    _, packed, s4, z4, _, _ = int4_case(1, 64, 96)
+    isa = quantized_matmul.best_isa()
+
+    def both(x):
+        return ops.int8_matmul(x, q, scale, isa).relu() + ops.int4_matmul(x, packed, s4, z4, 32, isa)
+    compiled = torch.compile(both, fullgraph=True)  # fullgraph: a graph break would fail here
+    torch.testing.assert_close(compiled(x), both(x), rtol=0, atol=0)
