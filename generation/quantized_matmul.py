@@ -11,7 +11,7 @@ core of an AVX2 EPYC, these at 1.5-8x that in the same runs, up to the memory's 
 alternative, ships no CPU kernels in its PyPI wheel (0.18: its compiled parts are CUDA's),
 and its CPU int8/int4 weight-only paths call those same torch kernels.
 
-The first call on a machine compiles the library (serving/kernel_build.py: a private
+The first call on a machine compiles the library (plumbing/kernel_build.py: a private
 folder, one build at a time, ~20 s) and later processes load it. `kernels()` is None where
 it cannot be built (no compiler, no ninja; with a warning), and weight_quant.py then uses
 torch's kernels. Each operator has a fake (its output's shape) so that torch.compile and
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from serving.kernel_build import build_kernel
+from plumbing.kernel_build import build_kernel
 
 KERNEL_SOURCE = Path(__file__).with_name("quantized_matmul.cpp")
 BLOCK = 32  # the activations' block: every input width must be a multiple of it

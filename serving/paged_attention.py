@@ -49,7 +49,7 @@ import torch
 
 from generation.compiled_step import BUILD_OPTIONS
 from sample import sample_rows_with_noise
-from serving.kernel_build import build_kernel
+from plumbing.kernel_build import build_kernel
 
 KERNEL_SOURCE = Path(__file__).with_name("paged_attention.cpp")
 
@@ -82,7 +82,7 @@ def hand_written_kernel():
     value read once for every head, the softmax taken on the way), for a float32 query
     over a float32 pool (torch.ops.kvcache_gpt.decode_attention) or an int8 or int4 one
     (decode_attention_quantized); decode_attention itself where it cannot be built (with a
-    warning). The first call on a machine compiles it (kernel_build.py: ~15-30 s, kept for
+    warning). The first call on a machine compiles it (plumbing/kernel_build.py: ~15-30 s, kept for
     later processes)."""
     error = build_kernel(KERNEL_SOURCE, "kvcache_gpt_paged_attention")
     if error:

@@ -1,7 +1,7 @@
 """The hand-written paged attention kernel (serving/paged_attention.cpp) against the
 PyTorch one it stands in for (decode_attention): the same outputs over a pool read through
 its views, with every head layout the models have, and padding never read; and its build
-(serving/kernel_build.py): the PyTorch kernel where it cannot be built, and a build killed
+(plumbing/kernel_build.py): the PyTorch kernel where it cannot be built, and a build killed
 midway blocking no later load.
 
 Tolerance 1e-5: both compute in float32, the C++ in another order (a running softmax, its
@@ -17,7 +17,7 @@ import torch
 
 from conftest import ROOT
 from kv_quant import head_bytes, storage_format
-from serving.kernel_build import build_directory, build_kernel, library_name
+from plumbing.kernel_build import build_directory, build_kernel, library_name
 from serving.paged_attention import decode_attention, hand_written_kernel
 
 
