@@ -29,6 +29,8 @@ from plumbing.checkpoint import save_checkpoint  # noqa: E402
 from generation import compiled_step, step_cache  # noqa: E402
 from kv_cache import KVCacheGPT  # noqa: E402
 from plumbing.tokenizer import encoding_from_spec  # noqa: E402
+from serving.requests import SamplingParams  # noqa: E402
+
 
 def pytest_addoption(parser):
     parser.addoption("--screenshot", metavar="PNG", help="tests/test_web_page.py: save a picture "
@@ -181,3 +183,19 @@ def builds(monkeypatch):
         return run
     monkeypatch.setattr(compiled_step, "build_program", run_exported)
     return built
+
+
+# ---------------------------------------------------------------------------- the serving engine
+
+def run(engine, prompts, **params):
+    """The engine's new tokens for each prompt, every request added at once and run to the end."""
+    requests = [engine.add_request(p, SamplingParams(**params)) for p in prompts]
+    engine.run_until_done()
+    return [r.tokens[r.prompt_len:] for r in requests]
+
+
+def assert_pool_is_whole(engine):
+    """Every block back in the pool, no sequence left: nothing leaked."""
+    pool = engine.pool
+    assert len(pool.free) == pool.num_blocks and not any(pool.ref_count)
+    assert not engine.scheduler.running and not engine.scheduler.waiting

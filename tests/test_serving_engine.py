@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from base_model import GPTConfig
-from conftest import byte_tokenizer, random_prompts, tiny_model
+from conftest import assert_pool_is_whole, byte_tokenizer, random_prompts, run, tiny_model
 from generation.loop import generate_tokens
 from serving.engine import Engine, SamplingParams
 from serving.paged_cache import BlockPool, default_num_blocks
@@ -32,18 +32,6 @@ def model():
 def alone(model, prompt, n, **kw):
     """What the generation loop gives the prompt by itself."""
     return generate_tokens(model, [prompt], n, vocab_limit=TOKENIZER.n_vocab, **kw)[0].tolist()
-
-
-def run(engine, prompts, **params):
-    requests = [engine.add_request(p, SamplingParams(**params)) for p in prompts]
-    engine.run_until_done()
-    return [r.tokens[r.prompt_len:] for r in requests]
-
-
-def assert_pool_is_whole(engine):
-    pool = engine.pool
-    assert len(pool.free) == pool.num_blocks and not any(pool.ref_count)
-    assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
 @pytest.mark.parametrize("tokens_per_block, attention", [(1, "kernel"), (8, "kernel"),

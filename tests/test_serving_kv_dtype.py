@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from base_model import GPTConfig
-from conftest import byte_tokenizer, random_prompts, tiny_model
+from conftest import assert_pool_is_whole, byte_tokenizer, random_prompts, run, tiny_model
 from generation.loop import generate_tokens
 from kv_cache import KVCache
 from kv_quant import KV_DTYPES, cache_bytes, head_bytes
@@ -39,18 +39,6 @@ def alone(model, prompt, n, kv_dtype):
     """The generation loop's greedy tokens for the prompt by itself, its cache stored as kv_dtype."""
     return generate_tokens(model, [prompt], n, vocab_limit=TOKENIZER.n_vocab, temperature=0,
                            cache_kind=kv_dtype)[0].tolist()
-
-
-def run(engine, prompts, **params):
-    requests = [engine.add_request(p, SamplingParams(**params)) for p in prompts]
-    engine.run_until_done()
-    return [r.tokens[r.prompt_len:] for r in requests]
-
-
-def assert_pool_is_whole(engine):
-    pool = engine.pool
-    assert len(pool.free) == pool.num_blocks and not any(pool.ref_count)
-    assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
