@@ -106,6 +106,7 @@ class RowProcessing:
         self.end_ids = list(processors.end_ids)
         constraint = processors.constraint
         self.matcher = constraint.matcher(processors.end_ids) if constraint is not None else None
+        self.bias = None  # logit_bias as a (V,) vector, made at the first step: it never changes
 
     def accept(self, tokens):
         """The row took tokens (a list of ids)."""
@@ -121,9 +122,10 @@ class RowProcessing:
         ahead = list(ahead)[:n - 1]
         logits = ban(logits, self.banned(n, V, ahead, logits.device))
         if p.logit_bias:
-            bias = torch.zeros(V, device=logits.device)
-            bias[[t for t, _ in p.logit_bias]] = torch.tensor([float(b) for _, b in p.logit_bias])
-            logits = add_bias(logits, bias)
+            if self.bias is None:
+                self.bias = torch.zeros(V, device=logits.device)
+                self.bias[[t for t, _ in p.logit_bias]] = torch.tensor([float(b) for _, b in p.logit_bias])
+            logits = add_bias(logits, self.bias)
         if p.repetition_penalty != 1:
             seen = self.counts(self.prompt + self.output, ahead, n, V, logits.device) > 0
             logits = repetition_penalty(logits, seen, p.repetition_penalty)
@@ -154,8 +156,11 @@ class RowProcessing:
             outside[list(p.allowed_token_ids)] = False
             banned |= outside
         if p.min_tokens or p.bad_words:
+            # a bad word is matched at the end of the text: its last tokens are all it reads
+            longest = max((len(word) for word in p.bad_words), default=0)
+            tail = (self.prompt + self.output)[-longest:] if longest else []
             for i in range(n):
-                text = self.prompt + self.output + ahead[:i]
+                text = tail + ahead[:i]
                 if len(self.output) + i < p.min_tokens:
                     banned[i, self.end_ids] = True
                 for word in p.bad_words:  # its last token, where the text ends with the rest
