@@ -271,8 +271,10 @@ def test_the_benchmarks_load_test_against_a_running_server(server):
 
 
 def test_hand_out_delivers_every_output_in_order_with_fewer_wakeups():
-    """HandOut from another thread: every item reaches its queue, in the order put, and
-    items put while a hand-out is pending share its one call_soon_threadsafe."""
+    """HandOut from another thread: every item reaches its queue, in the order put; items
+    put while a hand-out is pending share its one call_soon_threadsafe, and an item put
+    after a drain asks for a new one. The loop is held busy while the items are put, so
+    the count of wake-ups does not depend on how the two threads happen to interleave."""
     import asyncio
     import threading
 
@@ -283,23 +285,36 @@ def test_hand_out_delivers_every_output_in_order_with_fewer_wakeups():
     wakeups = []
     real = loop.call_soon_threadsafe
 
-    def counted(*args):
-        wakeups.append(1)
-        return real(*args)
+    def counted(callback, *args):
+        if getattr(callback, "__name__", "") == "drain":  # not run_coroutine_threadsafe's
+            wakeups.append(1)
+        return real(callback, *args)
+
+    def put_while_the_loop_is_busy(hand_out, queues, steps):
+        busy, release = threading.Event(), threading.Event()
+        real(lambda: (busy.set(), release.wait(10)))
+        assert busy.wait(10)
+        for step in steps:  # a step: one item for each of the two streams
+            for i, queue in enumerate(queues):
+                hand_out.put(loop, queue, (i, step))
+        release.set()
+
+    async def collect(queue, count):
+        return [await queue.get() for _ in range(count)]
     loop.call_soon_threadsafe = counted
     try:
         queues = [asyncio.Queue(), asyncio.Queue()]
         hand_out = HandOut()
-        for step in range(200):  # a step: one item for each of the two streams
-            for i, queue in enumerate(queues):
-                hand_out.put(loop, queue, (i, step))
-
-        async def collect(queue):
-            return [await queue.get() for _ in range(200)]
+        put_while_the_loop_is_busy(hand_out, queues, range(200))
         for i, queue in enumerate(queues):
-            got = asyncio.run_coroutine_threadsafe(collect(queue), loop).result(timeout=10)
+            got = asyncio.run_coroutine_threadsafe(collect(queue, 200), loop).result(timeout=10)
             assert got == [(i, step) for step in range(200)]
-        assert 1 <= len(wakeups) < 400 / 2
+        assert len(wakeups) == 1  # 400 items, one wake-up
+        put_while_the_loop_is_busy(hand_out, queues, range(200, 210))
+        for i, queue in enumerate(queues):
+            got = asyncio.run_coroutine_threadsafe(collect(queue, 10), loop).result(timeout=10)
+            assert got == [(i, step) for step in range(200, 210)]
+        assert len(wakeups) == 2  # the drain done, the next item asked for its own
     finally:
         loop.call_soon_threadsafe = real
         loop.call_soon_threadsafe(loop.stop)
