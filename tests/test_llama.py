@@ -13,6 +13,7 @@ random models (initializer_range 0.1) have no near-ties in 100 tokens.
 """
 
 import codecs
+import copy
 
 import pytest
 import torch
@@ -110,13 +111,13 @@ def test_left_padded_batch_gives_each_row_its_own_logits(pair):
 
 # ---------------------------------------------------------------------------- greedy text
 
-def hf_greedy(hf, prompts, tokenizer):
-    """GEN_TOKENS greedy tokens of each prompt from transformers, in one left-padded batch
+def hf_greedy(hf, prompts, tokenizer, max_new_tokens=GEN_TOKENS):
+    """max_new_tokens greedy tokens of each prompt from transformers, in one left-padded batch
     (its attention mask gives each row its own positions), end-of-text not special."""
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=GEN_TOKENS,
+    out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                       eos_token_id=None, pad_token_id=0)
     return out[:, width:]
 
@@ -130,6 +131,35 @@ def test_greedy_tokens_alone_and_batched(pair):
                                hf_greedy(hf, [prompt], tokenizer)), (name, prompt)
         batched = generate_tokens(ours, prompts, GEN_TOKENS, temperature=0)
     assert torch.equal(batched, hf_greedy(hf, prompts, tokenizer)), name
+
+
+BF16_ATOL = 0.1  # bf16 logits: ours and transformers' each ~0.05 from fp32's (printed with -s)
+
+
+def test_bf16_greedy_tokens_equal_transformers_bf16(pair):
+    """In bfloat16 (the dtype real checkpoints ship in): fed transformers' 32 greedy bf16
+    tokens, our logits agree with its within BF16_ATOL (a real error moves them by O(0.1..1);
+    the fp32 tests above hold every path to 1e-4), and our own greedy tokens are its up to
+    the first near-tie: a step whose top two logits are closer than twice the difference
+    measured, where two correct bf16 models, rounding the same weights in different kernels
+    and orders, may pick either (these tiny random models have many such steps)."""
+    hf, _, _, tokenizer, path, name = pair
+    ours16, _ = load_hf_model(CACHED_MODELS, path, dtype=torch.bfloat16, report=lambda line: None)
+    assert ours16.lm_head.weight.dtype == torch.bfloat16
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    for prompt in [prompt_tokens(tokenizer, text) for text in PROMPTS[:2]]:
+        with torch.no_grad():
+            theirs = hf_greedy(hf16, [prompt], tokenizer, 32)[0]
+            mine = generate_tokens(ours16, [prompt], 32, temperature=0)[0]
+            text = torch.tensor([prompt + theirs.tolist()])
+            their_logits = hf16(text).logits[0, len(prompt) - 1:-1].float()  # (32, vocab)
+            diff = (ours16(text)[0][0, len(prompt) - 1:-1].float() - their_logits).abs().max().item()
+        top2 = their_logits.topk(2, dim=-1).values
+        ties = ((top2[:, 0] - top2[:, 1]) < 2 * diff).nonzero()
+        agreed = ties[0].item() if len(ties) else 32
+        report(f"bf16, {agreed} tokens before a tie", name, diff)
+        assert diff < BF16_ATOL, name
+        assert torch.equal(mine[:agreed], theirs[:agreed]), (name, prompt)
 
 
 def test_prompts_encode_as_transformers_encodes_them(pair):
