@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from generation.private_folder import UnsafeFolder, open_own, private_folder, write_new
+from plumbing.progress import Ticker
 
 FOLDER_VARIABLE = "KVCACHE_GPT_CACHE_DIR"
 OFF_VARIABLE = "KVCACHE_GPT_NO_COMPILE_CACHE"  # set, and not "" or "0": no cache
@@ -205,9 +206,12 @@ def store_entry(folder, digest, key, build):
 
 
 def built(scratch, build):
-    """build(path) on a path inside scratch; returns that path."""
+    """build(path) on a path inside scratch; returns that path. The build is one long call
+    into torch: a line on a terminal counts its seconds, and Ctrl-C during it says so (the
+    scratch folder goes with it: nothing half-built is kept)."""
     package = scratch / "step.pt2"
-    build(package)
+    with Ticker("building the compiled step"):
+        build(package)
     return package
 
 

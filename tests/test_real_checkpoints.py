@@ -5,6 +5,7 @@ the loading progress line shows on a terminal only; the memory check sizes the r
 format; export_gguf's bf16 holds bf16's values. Tiny shapes: a few seconds each."""
 
 import io
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from plumbing import checkpoint
 from plumbing.checkpoint import check_values
 from plumbing.hf import load_hf_model
 from plumbing.memory import model_memory
-from plumbing.progress import Progress
+from plumbing.progress import Progress, Ticker
 from plumbing.script import CheckpointError
 
 
@@ -69,6 +70,29 @@ def test_progress_line_only_on_a_terminal(monkeypatch, tty, shown, writes):
     assert text.endswith("\r\033[K") == writes  # cleared at the end
     assert writes or text == ""
 
+
+
+def test_progress_says_where_ctrl_c_stopped_it():
+    stream = FakeTerminal(False)  # on any stream: an interruption is news
+    with pytest.raises(KeyboardInterrupt):
+        with Progress("loading x", 3 * 2**30, True, stream) as progress:
+            progress.advance(2**30)
+            raise KeyboardInterrupt
+    assert stream.getvalue() == "loading x: interrupted after 1 GiB of 3 GiB, 0 s\n"
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_ticker_counts_seconds_only_on_a_terminal(tty):
+    stream = FakeTerminal(tty)
+    with Ticker("building", stream, every=0.01):
+        time.sleep(0.2)
+    text = stream.getvalue()
+    assert ("\rbuilding: 0 s\033[K" in text and text.endswith("\r\033[K")) == tty
+    assert tty or text == ""
+    with pytest.raises(KeyboardInterrupt):
+        with Ticker("building", stream, every=0.01):
+            raise KeyboardInterrupt
+    assert stream.getvalue().endswith("building: interrupted after 0 s\n")
 
 def test_memory_check_sizes_the_runs_format():
     c = SHAPES["8b"]

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from generation.step_cache import FOLDER_VARIABLE
 from plumbing.checkpoint import ROOT, save_checkpoint
 from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
 
@@ -96,6 +97,28 @@ def test_ctrl_c_while_torch_loads(ckpt):
     err = proc.communicate(timeout=60)[1].decode()
     assert proc.returncode in (130, -signal.SIGINT) and "Traceback" not in err, err
 
+
+
+def test_ctrl_c_while_the_compiled_step_builds(ckpt, tmp_path):
+    """SIGINT during the build of --compile's step (one long call into torch): exit 130 with
+    one line saying what was interrupted, and nothing half-built left in the cache."""
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "generate.py"), "--ckpt", str(ckpt), "--compile",
+                             "--prompt", "a", "--max-new-tokens", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            env={**os.environ, FOLDER_VARIABLE: str(cache)}, text=True,
+                            preexec_fn=as_at_a_terminal)
+    lines = []
+    while not lines or not lines[-1].startswith("building the compiled step"):
+        lines.append(proc.stderr.readline())
+        assert lines[-1], lines  # the build began before the process ended
+    time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read()
+    proc.wait(timeout=60)
+    assert proc.returncode == 130, lines + [err]
+    assert err.startswith("building the compiled step: interrupted after ") and err.count("\n") == 1, err
+    assert list(cache.iterdir()) == []
 
 def test_ctrl_c_in_main_exits_130(ckpt, tmp_path):
     """SIGINT while main() waits for its prompt (a FIFO nobody writes to yet): exit 130."""
