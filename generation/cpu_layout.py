@@ -51,7 +51,10 @@ packing is not seen (the meta Parameter holds nothing): write it through load_st
 A weight tied to an embedding (GPT-2's lm_head) is packed beside its dense table, which
 the lookup needs: that one matrix is held twice, because unpacked it made GPT-2 small's
 batch of 16 6.5x batch 1 instead of 9.3x (python -m benchmarks.batching --shape gpt2
---sizes 1,16, 2026-12-03). A model whose decode step is compiled stops packing
+--sizes 1,16, 2026-12-03). Up to TIED_PACK_MAX_BYTES only: Llama-3.2-1B's tied table is
+1.05 GB in float32, a second copy of which would be a fifth of the model again; there the
+head multiplies through MKL from the one dense table (it reads one row per sequence while
+decoding, and only the last position of a prompt). A model whose decode step is compiled stops packing
 (unpack_linears): inductor lays out the weights it compiles itself, and the graph reads
 the Parameters.
 """
@@ -64,6 +67,7 @@ import torch.nn.functional as F
 
 BATCH_HINT = 16  # rows oneDNN tunes the blocked layout for; any number of rows works with it
 PACK_MIN_WEIGHTS = 2**19  # smaller weights multiply faster through MKL (see above)
+TIED_PACK_MAX_BYTES = 2**28  # a tied weight past this is not held twice (see above)
 
 
 class PackedLinear(nn.Linear):
@@ -148,15 +152,18 @@ def pack_linears(model, min_weights=PACK_MIN_WEIGHTS):
     """Make every float32 nn.Linear of a CPU model with at least min_weights weights a
     PackedLinear, in place; returns the model. Anything else (smaller, another device or
     dtype, quantized layers, a torch without oneDNN) is left as it is; a weight tied to
-    another module keeps its dense copy too."""
+    another module keeps its dense copy too, or past TIED_PACK_MAX_BYTES is not packed."""
     if not torch.backends.mkldnn.is_available():
         return model
     holders = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (type(child) is nn.Linear and child.weight.device.type == "cpu"
+            if not (type(child) is nn.Linear and child.weight.device.type == "cpu"
                     and child.weight.dtype == torch.float32 and child.weight.numel() >= min_weights):
-                setattr(parent, name, PackedLinear(child, keep_dense=holders[id(child.weight)] > 1))
+                continue
+            tied = holders[id(child.weight)] > 1
+            if not (tied and child.weight.nbytes > TIED_PACK_MAX_BYTES):
+                setattr(parent, name, PackedLinear(child, keep_dense=tied))
     return model
 
 

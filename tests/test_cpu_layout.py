@@ -55,6 +55,16 @@ def test_a_model_packs_every_float32_linear_and_keeps_its_state_dict_and_tie():
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
 
+
+def test_a_large_tied_head_is_not_held_twice(monkeypatch):
+    """Past TIED_PACK_MAX_BYTES a tied head stays a plain Linear over the one dense table
+    (Llama-3.2-1B's is 1.05 GB in float32: a packed copy beside it would be a fifth more)."""
+    model = tiny_model(TINY_CONFIGS[0])
+    monkeypatch.setattr("generation.cpu_layout.TIED_PACK_MAX_BYTES", model.lm_head.weight.nbytes - 1)
+    pack_linears(model, min_weights=0)
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.transformer.wte.weight
+    assert type(model.transformer.h[0].mlp.c_fc) is PackedLinear  # the others are packed as before
+
 @torch.no_grad()
 def test_the_packed_copy_replaces_the_weight_and_gives_it_back_exactly():
     lin = linear(96, 48)
