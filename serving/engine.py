@@ -35,11 +35,7 @@ from serving.admission import Limits
 from serving.model_runner import ModelRunner
 from serving.paged_cache import BlockPool, check_pool_fits, default_num_blocks
 from serving.requests import Output, Request, SamplingParams
-from serving.scheduler import FINISHED, Scheduler
-
-# a step's token budget (Scheduler): measured on a long-prompt workload (docs/serving.md,
-# chunked prefill)
-MAX_STEP_TOKENS = 512
+from serving.scheduler import FINISHED, MAX_STEP_TOKENS, Scheduler
 
 
 class Engine:
