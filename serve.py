@@ -35,6 +35,7 @@ from kv_quant import KV_DTYPES  # noqa: E402
 from plumbing.cli import (ArgumentParser, add_compile_cache_arg, add_model_args, load_from_args,  # noqa: E402
                           positive_int, use_compile_cache_arg)
 from serving.admission import SERVING_CONTEXT_POLICIES, Limits  # noqa: E402
+from serving.scheduler import MAX_STEP_TOKENS  # noqa: E402
 
 API_KEY_VARIABLE = "KVCACHE_API_KEY"
 
@@ -64,6 +65,11 @@ def parse_args():
                    "--num-blocks counts blocks of this dtype)")
     p.add_argument("--max-prefill-tokens", type=positive_int, default=2048,
                    help="most padded prompt tokens prefilled in one step (default: 2048)")
+    p.add_argument("--max-step-tokens", type=int, default=MAX_STEP_TOKENS,
+                   help="a step's token budget: every decoding sequence's token, then chunks of "
+                   "waiting prompts, so that a long prompt does not stall the streams decoding "
+                   f"(0: each prompt prefilled whole in a step of its own; default: {MAX_STEP_TOKENS}, "
+                   "docs/serving.md, chunked prefill)")
     p.add_argument("--attention", choices=["kernel", "gather"], default="kernel",
                    help="how decode steps run: compiled whole by torch.compile at start-up, a "
                    "paged attention kernel inside (default), or eager, with a plain-PyTorch "
@@ -103,6 +109,9 @@ def parse_args():
     if not args.host.strip():
         p.error("--host is empty (an unset shell variable?); 127.0.0.1 listens on this machine "
                 "only, 0.0.0.0 on every interface")
+    if args.max_step_tokens < 0 or 0 < args.max_step_tokens <= args.max_batch:
+        p.error(f"--max-step-tokens must be 0 (off) or more than --max-batch ({args.max_batch}), so "
+                f"that a prompt chunk fits beside a full decode pass; got {args.max_step_tokens}")
     if args.max_waiting < args.max_request_sequences:
         p.error(f"--max-waiting ({args.max_waiting}) must be at least --max-request-sequences "
                 f"({args.max_request_sequences}), or the largest request allowed could never wait")
@@ -150,7 +159,8 @@ def main():
     try:
         engine = Engine(model, tokenizer, num_blocks=args.num_blocks,
                         tokens_per_block=args.tokens_per_block, max_batch=args.max_batch,
-                        max_prefill_tokens=args.max_prefill_tokens, attention=args.attention,
+                        max_prefill_tokens=args.max_prefill_tokens, max_step_tokens=args.max_step_tokens,
+                        attention=args.attention,
                         limits=limits_from_args(args), compile=args.compile, kv_dtype=args.kv_dtype)
     except ValueError as e:  # before anything is allocated: a pool too small or too large, a
         # head size a quantized pool cannot pack

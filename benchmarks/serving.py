@@ -22,7 +22,8 @@ For each: output tokens/s, time to first token and inter-token latency (p50/p95)
 KV memory it held at its peak, next to what preallocating every running request to the full
 context would take. Then what a cached 200-token prefix does to the time to first token,
 and what the paged cache's gather costs in a decode step, with the paged kernel alone, layer
-after layer, against a plain read of the keys and values it reads.
+after layer, against a plain read of the keys and values it reads. Long prompts arriving
+while streams decode, with and without chunked prefill: benchmarks/long_prompts.py.
 """
 
 import argparse

@@ -89,7 +89,7 @@ def describe(seq, label):
     reply_id, choice = label or (None, None)
     return {"id": reply_id, "choice": choice, "state": seq.state, "blocks": list(seq.blocks),
             "tokens": seq.context_len, "prompt_tokens": seq.prompt_len,
-            "generated": len(seq.tokens) - seq.prompt_len,
+            "generated": len(seq.tokens) + len(seq.unfed) - seq.prompt_len,
             "cached_prompt_tokens": seq.cached_prompt_tokens}
 
 

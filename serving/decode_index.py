@@ -47,8 +47,8 @@ def column_slots(batch, S, tokens_per_block, lengths=None):
         lengths = [s.context_len for s in batch]
     pad = S - torch.tensor(lengths)                                            # (B,)
     positions = torch.arange(S) - pad[:, None]                                 # (B, S)
-    table = torch.tensor([s.blocks + [NULL_BLOCK] * (-(-S // tokens_per_block) - len(s.blocks))
-                          for s in batch])                                     # (B, blocks)
+    n = -(-S // tokens_per_block)  # a prompt fed in chunks holds blocks past the pass's columns
+    table = torch.tensor([(s.blocks + [NULL_BLOCK] * n)[:n] for s in batch])  # (B, n)
     at = positions.clamp(min=0)
     slots = table.gather(1, at // tokens_per_block) * tokens_per_block + at % tokens_per_block
     return positions, torch.where(positions >= 0, slots, NULL_BLOCK)

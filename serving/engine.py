@@ -11,9 +11,10 @@ the admission limits (admission.py): what one request may ask, and how much may 
 
 Every step has three parts, each another file's:
 
-    1. schedule   which sequences run (scheduler.py), their blocks in the pool (paged_cache.py)
-    2. run        one pass of the model over them and a token for each, drawn with its
-                  request's settings (model_runner.py)
+    1. schedule   which sequences run (scheduler.py), their blocks in the pool (paged_cache.py):
+                  a decode pass and a prefill pass of the step's token budget
+    2. run        each pass of the model over them and a token for each, drawn with its
+                  request's settings (model_runner.py); a prompt fed in part draws none
     3. hand out   each request gets its new text (an Output, requests.py); a finished one
                   leaves the batch and gives its blocks back
 
@@ -34,14 +35,17 @@ from serving.admission import Limits
 from serving.model_runner import ModelRunner
 from serving.paged_cache import BlockPool, check_pool_fits, default_num_blocks
 from serving.requests import Output, Request, SamplingParams
-from serving.scheduler import FINISHED, Scheduler
+from serving.scheduler import FINISHED, MAX_STEP_TOKENS, Scheduler
 
 
 class Engine:
     def __init__(self, model, tokenizer, num_blocks=None, tokens_per_block=16, max_batch=64,
-                 max_prefill_tokens=2048, attention="kernel", limits=None, compile=False, kv_dtype=None):
+                 max_prefill_tokens=2048, attention="kernel", limits=None, compile=False, kv_dtype=None,
+                 max_step_tokens=MAX_STEP_TOKENS):
         """num_blocks: the pool's size (default_num_blocks by default); when it runs out,
         the scheduler preempts.
+        max_step_tokens: a step's token budget (scheduler.py): the decode pass's tokens,
+        then prompt chunks; 0: a step is one pass, a prompt prefilled whole.
         attention: how decode steps run (model_runner.py), "kernel" (paged_attention.py: the
         step compiled whole, the paged kernel inside it; compiled at the first decode steps)
         or "gather" (eager, plain PyTorch: the pool gathered for SDPA; paged_cache.py
@@ -65,7 +69,8 @@ class Engine:
             num_blocks = default_num_blocks(config, tokens_per_block, max_batch, kv_dtype)
         check_pool_fits(config, num_blocks, tokens_per_block, kv_dtype)
         self.pool = BlockPool(config, num_blocks, tokens_per_block, self.device, weight.dtype, kv_dtype)
-        self.scheduler = Scheduler(self.pool, config.context_len, max_batch, max_prefill_tokens)
+        self.scheduler = Scheduler(self.pool, config.context_len, max_batch, max_prefill_tokens,
+                                   max_step_tokens)
         self.runner = ModelRunner(model, self.pool, tokenizer.n_vocab, max_batch, attention, compile)
         self.inbox, self.cancelled = deque(), deque()  # from other threads (deque is thread-safe)
         self.admitting = threading.Lock()  # one submit at a time: the queue's bound holds
@@ -129,23 +134,25 @@ class Engine:
 
     @torch.inference_mode()
     def step(self):
-        """Admit or decode once; returns False when there was nothing to do."""
+        """Decode and prefill once; returns False when there was nothing to do."""
         while self.inbox:
             self.scheduler.add(self.inbox.popleft())
         while self.cancelled:
             self.finish(self.cancelled.popleft(), "cancelled")
-        batch = self.scheduler.schedule()                      # 1. schedule
-        if not batch:
+        passes = self.scheduler.schedule()                     # 1. schedule
+        if not passes:
             return False
         self.peak_blocks = max(self.peak_blocks, self.pool.num_used())
-        tokens, logprobs = self.runner.run(batch)              # 2. run
-        self.scheduler.computed(batch)
-        for request, token, logprob in zip(batch, tokens, logprobs):  # 3. hand out
-            if request.params.max_tokens == 0:  # the prefill was all it asked for
-                request.text.done = True
-                self.deliver(request, None, "length")
-            else:
-                self.emit(request, token, logprob)
+        for batch in passes:
+            tokens, logprobs = self.runner.run(batch)          # 2. run
+            self.scheduler.computed(batch)
+            drawn = [r for r in batch if not r.unfed]  # a prompt fed in part: no token yet
+            for request, token, logprob in zip(drawn, tokens, logprobs):  # 3. hand out
+                if request.params.max_tokens == 0:  # the prefill was all it asked for
+                    request.text.done = True
+                    self.deliver(request, None, "length")
+                else:
+                    self.emit(request, token, logprob)
         self.steps += 1
         return True
 

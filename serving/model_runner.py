@@ -84,8 +84,17 @@ class ModelRunner:
 
     def run(self, batch):
         """One pass over batch: the token each sequence draws (a list) and its Logprob (None
-        unless the request asks). A request scoring its prompt has its prompt_logprobs."""
+        unless the request asks), but for a prompt fed in part (its `unfed` tokens wait for
+        later chunks), which draws nothing: its logits are not the next token's, and a
+        seeded request's generator must not move. A request scoring its prompt has its
+        prompt_logprobs."""
         logits, drawn = self.forward(batch)
+        rows = [i for i, s in enumerate(batch) if not s.unfed]
+        if len(rows) < len(batch):
+            logits, drawn = logits[rows], None if drawn is None else drawn[rows]
+            batch = [batch[i] for i in rows]
+            if not batch:
+                return [], []
         tokens = self.draw(logits, batch, drawn)
         return tokens.tolist(), self.token_logprobs(logits, tokens, batch)
 

@@ -1,25 +1,31 @@
 """
-Continuous batching: which sequences run in the next forward pass.
+Continuous batching: which sequences run in the next forward passes.
 
 A static batch starts together and ends when its longest member ends; a row that is done
 early idles, and a request that arrives meanwhile waits for the whole batch. Here the
 batch is rebuilt at every step (Orca's iteration-level scheduling; vLLM's and nano-vllm's
-scheduler follow it):
+scheduler follow it). A step has a token budget (max_step_tokens) and runs two passes:
 
-    step:  admit   waiting requests while the pool has blocks for them: one prefill pass
-                   over their prompts (only the tokens no cached block holds)
-           or else decode  one token for every running sequence, in one pass; a sequence
-                   entering a new block takes one from the free list; if there is none,
-                   the newest sequence is preempted: its blocks are freed and it waits
-                   at the front of the queue to be recomputed from its tokens
-           retire  (the engine) finished sequences give their blocks back at once
+    step:  decode   one token for every running sequence, in one pass; a sequence
+                    entering a new block takes one from the free list; if there is none,
+                    the newest sequence is preempted: its blocks are freed and it waits
+                    at the front of the queue to be recomputed from its tokens
+           prefill  the budget left, in one pass: the next chunk of each prompt fed in
+                    part, then waiting requests while the pool has blocks for them (only
+                    the tokens no cached block holds); a long prompt is fed a chunk a
+                    step, and its first token comes out of the pass that feeds its last
+           retire   (the engine) finished sequences give their blocks back at once
 
     waiting: [E][F]  --admit-->  running: [A][B][C][D]  --finish-->  blocks to the pool
-                ^                                  |
-                +----------- preempt (newest) -----+    also: past the context, reprefill
+                ^                 (D: a chunk a step)  |
+                +----------- preempt (newest) ---------+    also: past the context, reprefill
 
-Prefill and decode never share a pass: rows are right-aligned to the longest row's new
-tokens, so one 200-token prompt in a decode batch would make every row pay for 200 columns.
+The two are separate passes: rows are right-aligned to the longest row's new tokens, so
+a 500-token chunk in the decode pass would make every row pay for 500 columns; apart, the
+decode pass keeps its compiled step. Chunks keep the decoding streams moving: a
+2,000-token prompt prefilled whole stalls every one of them for its whole prefill
+(docs/serving.md, chunked prefill). max_step_tokens=0: no chunks, and a step is one pass,
+admitting (each prompt whole) when anything can be admitted, else decoding.
 """
 
 from collections import deque
@@ -27,12 +33,18 @@ from collections import deque
 from generation.loop import reprefill_keep
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+# a step's token budget by default: on the long-prompt workload (benchmarks/long_prompts.py,
+# docs/serving.md) 512 kept the streams' median gap and cut their p99 to a quarter; 256 cut
+# it further but made every step 2.5x as long
+MAX_STEP_TOKENS = 512
 
 
 class Sequence:
     """A sequence's tokens and its place in the pool. tokens[start:] is its context (start
     moves past context_len); its first num_cached context tokens have keys and values in
-    `blocks`; the rest (one token while decoding) are fed by the next pass that runs it."""
+    `blocks`; the rest (one token while decoding) are fed by the next pass that runs it.
+    A prompt fed in chunks holds its tokens past the current chunk in `unfed`, so that
+    every pass sees a context that ends where its feeding ends."""
 
     def __init__(self, prompt):
         self.tokens = list(prompt)
@@ -40,6 +52,7 @@ class Sequence:
         self.start = 0
         self.blocks, self.hashes = [], []  # hashes: prefix hash of every full block
         self.num_cached = 0
+        self.unfed = []                   # context tokens past this chunk (Scheduler.prefill)
         self.state = WAITING
         self.score_prompt = False         # the first pass feeds the whole prompt (its logits)
         self.cached_prompt_tokens = None  # prompt tokens the prefix cache spared, once admitted
@@ -64,11 +77,27 @@ class Sequence:
         """How many tokens the next pass feeds (1 while decoding)."""
         return self.context_len - self.first_fed(self.num_cached)
 
+    def hold_back(self, end):
+        """Let the next pass feed context positions before `end` only."""
+        self.unfed = self.tokens[self.start + end:]
+        del self.tokens[self.start + end:]
+
+    def feed_more(self, n):
+        """The next chunk: n more of the held-back tokens join the context."""
+        self.tokens += self.unfed[:n]
+        del self.unfed[:n]
+
 
 class Scheduler:
-    def __init__(self, pool, context_len, max_batch=64, max_prefill_tokens=2048):
+    def __init__(self, pool, context_len, max_batch=64, max_prefill_tokens=2048, max_step_tokens=0):
+        """max_step_tokens: a step's token budget, the decode pass's first (0: no chunks, a
+        step is one pass, the module docstring says)."""
+        if max_step_tokens and max_step_tokens <= max_batch:
+            raise ValueError(f"max_step_tokens must be 0 (off) or more than max_batch ({max_batch}), "
+                             f"so that a prefill chunk fits beside a full decode pass; got {max_step_tokens}")
         self.pool, self.context_len = pool, context_len
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
+        self.max_step_tokens = max_step_tokens
         self.waiting = deque()
         self.running = []        # in order of admission: the last is preempted first
         self.preemptions = 0
@@ -81,44 +110,78 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self):
-        """The sequences of the next pass: newly admitted ones (a prefill pass) or every
-        running one (a decode pass); [] when there is nothing to do."""
+        """The passes of the next step, each a list of sequences: a decode pass of every
+        running sequence, then a prefill pass of what the step's budget leaves
+        (max_step_tokens=0: a prefill pass when anything can be admitted, else a decode
+        pass). [] when there is nothing to do."""
         for seq in [s for s in self.running if s.context_len > self.context_len]:
             self.reprefill(seq)
-        return self.admit() or self.decode()
+        if not self.max_step_tokens:
+            batch = self.prefill(self.max_prefill_tokens) or self.decode()
+            return [batch] if batch else []
+        decoding = self.decode()
+        prefill = self.prefill(min(self.max_prefill_tokens, self.max_step_tokens - len(decoding)))
+        return [batch for batch in (decoding, prefill) if batch]
 
-    def admit(self):
-        """Take waiting sequences, oldest first, while the pool has blocks for them, there
-        is room in the batch, and the padded prefill (rows x longest new part) stays within
-        max_prefill_tokens (the first one is always taken, however long)."""
+    def prefill(self, budget):
+        """A prefill pass: the next chunk of each prompt fed in part, then waiting sequences,
+        oldest first, while the pool has blocks for them, there is room in the batch, and
+        the padded pass (rows x longest chunk) stays within budget (the first row always
+        fits). Each admitted sequence holds blocks for its whole context at once, so a
+        prompt fed in chunks never waits for the pool halfway."""
         batch, width = [], 0
+        for seq in [s for s in self.running if s.unfed]:
+            take = self.chunk(len(seq.unfed), len(batch), width, budget)
+            if not take:
+                return batch
+            seq.feed_more(take)
+            batch.append(seq)
+            width = max(width, take)
+            self.prefilled_tokens += take
+        tpb = self.pool.tokens_per_block
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             hashes = self.pool.block_hashes(seq.context)  # once: allocate() reuses them
-            hit = len(self.pool.cached_blocks(hashes))
-            new = seq.context_len - seq.first_fed(hit * self.pool.tokens_per_block)
-            if batch and (len(batch) + 1) * max(width, new) > self.max_prefill_tokens:
+            first = seq.first_fed(len(self.pool.cached_blocks(hashes)) * tpb)
+            take = self.chunk(seq.context_len - first, len(batch), width, budget, whole=seq.score_prompt)
+            if not take:
                 break
-            allocated = self.pool.allocate(seq.context_len, hashes)
+            end = first + take  # this pass feeds context positions first .. end - 1
+            # only the blocks this pass fills join the prefix index now, the rest once
+            # computed: a prompt admitted later must not find a block not yet written
+            allocated = self.pool.allocate(seq.context_len, hashes[:end // tpb])
             if allocated is None:
                 break
             seq.blocks, seq.hashes, seq.num_cached = allocated
-            self.cached_tokens += seq.context_len - new
+            seq.hold_back(end)
+            self.cached_tokens += first
             if seq.cached_prompt_tokens is None:  # its first admission, not a preempted one's
-                seq.cached_prompt_tokens = seq.context_len - new
-            self.prefilled_tokens += new
-            width = max(width, new)
+                seq.cached_prompt_tokens = first
+            self.prefilled_tokens += take
+            width = max(width, take)
             self.waiting.popleft()
             seq.state = RUNNING
             self.running.append(seq)
             batch.append(seq)
         return batch
 
+    def chunk(self, new, rows, width, budget, whole=False):
+        """How many of a row's `new` tokens the prefill pass takes, as row rows + 1 of a pass
+        whose longest row so far is width: all of them without chunks (and for a prompt
+        scored whole: its every position's logits come from one pass), else its share of
+        the budget; 0 when the row does not fit."""
+        take = new if whole or not self.max_step_tokens else min(new, budget // (rows + 1))
+        if rows and (rows + 1) * max(width, take) > budget:
+            return 0
+        return take
+
     def decode(self):
         """Every running sequence, each with a slot for its next token; when the pool is
         full, the newest sequences are preempted until the older ones fit."""
         batch = []
         for seq in list(self.running):
+            if seq.unfed:  # a prompt fed in part: its next chunk is the prefill pass's
+                continue
             while seq.state == RUNNING and not self.reserve_next_slot(seq):
                 self.preempt(self.running[-1])
             if seq.state == RUNNING:
@@ -145,9 +208,10 @@ class Scheduler:
         self.preemptions += 1
 
     def computed(self, batch):
-        """A pass has run: every sequence of batch has its whole context cached, and blocks
-        that filled up while decoding join the prefix index, so later requests (a
-        conversation sent again with one more turn) can share generated text too."""
+        """A pass has run: every sequence of batch has its whole context cached (a prompt fed
+        in part: up to its chunk's end), and blocks that filled up, by a chunk or while
+        decoding, join the prefix index, so later requests (a conversation sent again with
+        one more turn) can share generated text too."""
         tpb = self.pool.tokens_per_block
         for seq in batch:
             seq.num_cached = seq.context_len
@@ -183,3 +247,4 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.release(seq.blocks)
         seq.blocks, seq.hashes, seq.num_cached = [], [], 0
+        seq.feed_more(len(seq.unfed))  # its whole context again, to be fed afresh

@@ -130,13 +130,14 @@ def test_requests_joining_and_leaving_a_lone_one_change_nothing(model, builds):
     # (1e-5: the same arithmetic in another order)
     torch.testing.assert_close(pool_columns(engine, a), pool_columns(plain, plain_a), rtol=0, atol=1e-5)
     b = engine.add_request(second, SamplingParams(max_tokens=12, **GREEDY))
-    # b's prefill (a prefill pass: a waits), then 11 steps decoding both: no lone step
+    # b's prefill beside a's decode pass (a alone in it: one more lone step), then 11 steps
+    # decoding both: no lone step
     for _ in range(12):
         engine.step()
-    assert engine.runner.lone_steps == 9 and b.finish_reason == "length"
+    assert engine.runner.lone_steps == 10 and b.finish_reason == "length"
     engine.run_until_done()  # a alone again: its cache reloaded from the pool
     plain.run_until_done()
-    assert engine.runner.lone_steps == 9 + (40 - 1 - 9 - 11)
+    assert engine.runner.lone_steps == 10 + (40 - 1 - 10 - 11)
     assert generated(a) == alone(model, first, 40, temperature=0)
     assert generated(b) == alone(model, second, 12, temperature=0)
     assert logprobs[engine] == pytest.approx(logprobs[plain], abs=1e-5)
