@@ -167,6 +167,7 @@ class Engine:
         for request, new in zip(batch, tokens):
             if request.proposed:  # all but the last new token are accepted proposals
                 self.accepted_tokens += len(new) - 1
+                request.lookup.checked(request.proposed, len(new) - 1)
                 self.scheduler.rollback(request, len(new) - 1)
         self.scheduler.computed(batch)
         for request, new, new_logprobs in zip(batch, tokens, logprobs):  # 3. hand out

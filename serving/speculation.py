@@ -35,13 +35,21 @@ from generation.speculative import PromptLookup
 
 
 class Lookup:
-    """A request's prompt lookup: k, the most tokens to propose per step, and a PromptLookup
-    of one row that follows the request's tokens."""
+    """A request's prompt lookup: a PromptLookup of one row that follows the request's
+    tokens, and k, how many tokens it proposes next (1..most).
 
-    def __init__(self, k, max_ngram, prompt):
-        self.k = k
+    k follows what the model accepts (transformers' "heuristic" schedule for assisted
+    generation): 2 more after a step that took every proposal, 1 fewer after one that did
+    not. Text that repeats keeps k at most; text that does not brings it down to one
+    proposal a step, the cheapest guess, so that rows are not spent on what is rejected."""
+
+    def __init__(self, most, max_ngram, prompt):
+        self.most = self.k = most
         self.lookup = PromptLookup(max_ngram)
         self.lookup.start([prompt])
+
+    def checked(self, proposed, accepted):
+        self.k = min(self.most, self.k + 2) if accepted == proposed else max(1, self.k - 1)
 
     def propose(self, tokens, k):
         """Up to k tokens that followed the last n of tokens (the request's, with every
