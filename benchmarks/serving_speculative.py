@@ -34,7 +34,8 @@ from benchmarks.serving import workload  # noqa: E402
 from benchmarks.speculative import HELDOUT, heldout_prompts  # noqa: E402
 from benchmarks.timing import alternate, spread  # noqa: E402
 from kv_cache import CACHED_MODELS  # noqa: E402
-from plumbing.cli import ArgumentParser, add_model_args, load_from_args, ngram_size, positive_int  # noqa: E402
+from plumbing.cli import (ArgumentParser, add_model_args, load_from_args, ngram_size,  # noqa: E402
+                          positive_int)
 from serving.admission import Limits  # noqa: E402
 from serving.engine import Engine, SamplingParams  # noqa: E402
 
