@@ -17,8 +17,8 @@ the cost. So a request that speculates (SamplingParams.speculate = K, or serve.p
     3. check    the model runner checks them with speculative.check, the rule generate.py's
                 speculative step uses: greedy keeps what the argmax agrees with, sampling
                 keeps the model's own distribution exactly
-    4. roll     the scheduler drops the proposals from its tokens and the blocks past the
-                back     accepted ones' keys (Scheduler.rollback); the engine hands the accepted
+    4. roll     the scheduler drops the proposals from its tokens, and the blocks past the
+       back     accepted ones' keys (Scheduler.rollback); the engine hands the accepted
                 tokens and the model's next one out one at a time (stop strings, max_tokens,
                 streaming: as if each came from a step of its own)
 
@@ -26,7 +26,7 @@ Proposals cost rows, and a large batch has none to spare: a pass gets at most ma
 rows (the compiled step's draw buffer), the one-token rows first, and proposals fill what
 is left, oldest request first. A full batch of 64 speculates not at all (its step costs
 what it did without speculation); the last few requests of a workload, or one request
-alone, speculate at full K.
+alone, speculate, each at its Lookup's k.
 """
 
 import torch
