@@ -200,3 +200,19 @@ def test_the_distribution_test_catches_a_wrong_rule_through_the_engine(small, mo
     monkeypatch.setattr(speculative, "residual", lambda p, q: p)
     samples, _ = engine_samples(small, 8000, temperature=1.0)
     assert chi_square_p_value(samples, exact_distribution(small, temperature=1.0)) < 1e-4
+
+
+def test_a_grammar_sees_each_proposal_as_taken(model):
+    """A regex constraint with speculation: each checked position is masked as if the
+    proposals before it were taken (generation/structured.py's allowed_along): the tokens
+    are the tokens without speculation."""
+    pytest.importorskip("llguidance")
+    params = dict(max_tokens=40, structured=("regex", r"(abc|abd)+e"), **GREEDY)
+    texts = []
+    for speculate in (0, 6):
+        engine = Engine(model, TOKENIZER)
+        request = engine.add_request([97, 98, 99] * 4, SamplingParams(speculate=speculate, **params))
+        engine.run_until_done()
+        texts.append(request.tokens[request.prompt_len:])
+        assert_pool_is_whole(engine)
+    assert texts[0] == texts[1] and engine.proposed_tokens > 0
