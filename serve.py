@@ -7,6 +7,7 @@ requests at once:
     python serve.py --hf ~/models/gpt2 --port 8080
     python serve.py --chat-template chat.jinja       # /v1/chat/completions too
     python serve.py --kv-dtype int8                  # ~3.9x the blocks in the same memory
+    python serve.py --speculate 8 --prompt-lookup 3  # speculative decoding, every request
     KVCACHE_API_KEY=secret python serve.py           # clients must send the key
 
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
@@ -32,7 +33,8 @@ if __name__ == "__main__":  # run as a command; importing this file changes noth
 
 from kv_cache import CACHED_MODELS  # noqa: E402
 from kv_quant import KV_DTYPES  # noqa: E402
-from plumbing.cli import (ArgumentParser, add_compile_cache_arg, add_model_args, load_from_args,  # noqa: E402
+from plumbing.cli import (ArgumentParser, add_compile_cache_arg, add_model_args,  # noqa: E402
+                          add_speculation_args, check_speculate, check_speculation_args, load_from_args,
                           positive_int, use_compile_cache_arg)
 from serving.admission import SERVING_CONTEXT_POLICIES, Limits  # noqa: E402
 from serving.scheduler import MAX_STEP_TOKENS  # noqa: E402
@@ -94,9 +96,14 @@ def parse_args():
                    "'reprefill' accepts it and keeps going past the context, keeping the newest "
                    "half (docs/generation.md, past the context). generate.py's 'sinks' is not "
                    "one of the server's: its paged pool does not move cached keys")
+    add_speculation_args(p, draft=False)
     add_limit_args(p)
     args = p.parse_args()
     use_compile_cache_arg(p, args)
+    check_speculation_args(p, args)
+    if args.draft is not None:
+        p.error("--draft: the engine proposes by prompt lookup only (a draft model is "
+                "generate.py's); use --prompt-lookup N")
     if args.context_policy not in SERVING_CONTEXT_POLICIES:
         why = (": sinks is generate.py's policy (the paged pool does not move cached keys)"
                if args.context_policy == "sinks" else "")
@@ -156,12 +163,15 @@ def main():
     from serving.server import BackgroundServer
 
     model, tokenizer, _ = load_from_args(CACHED_MODELS, args)
+    if args.speculate:
+        check_speculate(args.speculate, model)
     try:
         engine = Engine(model, tokenizer, num_blocks=args.num_blocks,
                         tokens_per_block=args.tokens_per_block, max_batch=args.max_batch,
                         max_prefill_tokens=args.max_prefill_tokens, max_step_tokens=args.max_step_tokens,
                         attention=args.attention,
-                        limits=limits_from_args(args), compile=args.compile, kv_dtype=args.kv_dtype)
+                        limits=limits_from_args(args), compile=args.compile, kv_dtype=args.kv_dtype,
+                        speculate=args.speculate or 0, prompt_lookup=args.prompt_lookup or 3)
     except ValueError as e:  # before anything is allocated: a pool too small or too large, a
         # head size a quantized pool cannot pack
         raise UserError(f"--num-blocks {args.num_blocks or '(default)'}, --tokens-per-block "

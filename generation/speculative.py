@@ -27,7 +27,8 @@ Two proposers, the same small interface (start, propose, accept, select_rows):
                   (code, quotes, a greedy loop); q is a point mass on the proposal.
     DraftModel    a smaller model with the same tokenizer, decoding K tokens ahead with
                   its own cache; q is its (filtered) distribution.
-verify() is the rule above (the loop calls it through its proposer). docs/speculative.md
+verify() is the rule above (check() runs the logits processors first; the loop calls it
+through its proposer, the serving engine's model runner directly). docs/speculative.md
 has the arithmetic: expected tokens per verification, and when a draft model pays.
 """
 
@@ -96,6 +97,24 @@ def verify(logits, proposals, temperature=1.0, top_k=None, top_p=None, generator
     return tokens, accepted + 1
 
 
+def check(logits, proposals, sampling, processing=None):
+    """verify() after the rows' logits processors, if any: (tokens (R, k + 1), counts (R,)),
+    as verify() returns them. The generation loop's speculative step and the serving
+    engine's verification both call it: one rule for both.
+
+    processing (generation/logits_processors.py, RowsProcessing): each position processed
+    as if the proposals before it had been taken. Proposals past a position where nothing
+    can be taken are not checked; a row that reaches that position gets -1 there (it ends)."""
+    if processing is None:
+        return verify(logits, proposals, **sampling)
+    logits, dead = processing(logits, proposals)
+    proposals.counts = torch.minimum(proposals.counts, dead)
+    tokens, counts = verify(logits, proposals, **sampling)
+    last = (counts - 1)[:, None]                                           # (R, 1)
+    ended = last == dead[:, None]
+    return tokens.scatter(1, last, torch.where(ended, -1, tokens.gather(1, last))), counts
+
+
 def residual(p, q):
     """What to draw from after rejecting a proposal drawn from q: max(0, p - q), in
     proportion (multinomial normalises). It holds exactly the probability that acceptance
@@ -135,9 +154,9 @@ class Proposer:
     def propose(self, k):
         raise NotImplementedError
 
-    def verify(self, logits, proposals):
-        """verify() with the loop's sampling settings: (tokens, counts)."""
-        return verify(logits, proposals, **self.sampling)
+    def verify(self, logits, proposals, processing=None):
+        """check() with the loop's sampling settings: (tokens, counts)."""
+        return check(logits, proposals, self.sampling, processing)
 
 
 class PromptLookup(Proposer):

@@ -112,17 +112,8 @@ class SpeculativeStep(PlainStep):
         """Feed newest and the k proposals, keep the model's agreement, roll the rest back."""
         logits = self.feed(torch.cat([newest, proposals.tokens], dim=1))      # (R, 1 + k, V)
         logits = logits[..., :self.generation.vocab_limit]
-        processing = self.generation.processing
-        if processing is not None:  # each position as if the proposals before it were taken
-            logits, dead = processing(logits, proposals)
-            # proposals past a position where nothing can be taken are not checked; a row
-            # that reaches that position gets -1 there (it ends)
-            proposals.counts = torch.minimum(proposals.counts, dead)
-        tokens, counts = self.proposer.verify(logits, proposals)
-        if processing is not None:
-            last = (counts - 1)[:, None]                                       # (R, 1)
-            ended = (last == dead[:, None])
-            tokens = tokens.scatter(1, last, torch.where(ended, -1, tokens.gather(1, last)))
+        # with processors, each position as if the proposals before it were taken
+        tokens, counts = self.proposer.verify(logits, proposals, self.generation.processing)
         # none past max_new_tokens; rows that finished (kept by compile) count for nothing
         remaining = torch.tensor(self.generation.remaining(), device=counts.device)
         counts = torch.minimum(counts, remaining.clamp(min=1))

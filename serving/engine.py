@@ -12,11 +12,13 @@ the admission limits (admission.py): what one request may ask, and how much may 
 Every step has three parts, each another file's:
 
     1. schedule   which sequences run (scheduler.py), their blocks in the pool (paged_cache.py):
-                  a decode pass and a prefill pass of the step's token budget
+                  a decode pass and a prefill pass of the step's token budget; the
+                  requests that speculate get proposals to check (speculation.py)
     2. run        each pass of the model over them and a token for each, drawn with its
-                  request's settings (model_runner.py); a prompt fed in part draws none
-    3. hand out   each request gets its new text (an Output, requests.py); a finished one
-                  leaves the batch and gives its blocks back
+                  request's settings, or a request's checked proposals (model_runner.py);
+                  a prompt fed in part draws none
+    3. hand out   each request gets its new text (an Output, requests.py), token by token;
+                  a finished one leaves the batch and gives its blocks back
 
 The HTTP server (server.py) and the serving benchmark (benchmarks/serving.py) are two
 callers of this one loop.
@@ -36,12 +38,13 @@ from serving.model_runner import ModelRunner
 from serving.paged_cache import BlockPool, check_pool_fits, default_num_blocks
 from serving.requests import Output, Request, SamplingParams
 from serving.scheduler import FINISHED, MAX_STEP_TOKENS, Scheduler
+from serving.speculation import Lookup, add_proposals
 
 
 class Engine:
     def __init__(self, model, tokenizer, num_blocks=None, tokens_per_block=16, max_batch=64,
                  max_prefill_tokens=2048, attention="kernel", limits=None, compile=False, kv_dtype=None,
-                 max_step_tokens=MAX_STEP_TOKENS):
+                 max_step_tokens=MAX_STEP_TOKENS, speculate=0, prompt_lookup=3):
         """num_blocks: the pool's size (default_num_blocks by default); when it runs out,
         the scheduler preempts.
         max_step_tokens: a step's token budget (scheduler.py): the decode pass's tokens,
@@ -57,9 +60,14 @@ class Engine:
         (paged_attention.py), and short prefills go through it too, each token a row.
         Both hold the weights as they were: change none while the engine serves.
         kv_dtype: how the pool stores keys and values (kv_quant.KV_DTYPES; default: the
-        model's dtype): "int8" or "int4" hold several times the blocks in the same bytes."""
+        model's dtype): "int8" or "int4" hold several times the blocks in the same bytes.
+        speculate, prompt_lookup: the speculative decoding of a request whose SamplingParams
+        leave them None (speculation.py): up to `speculate` tokens proposed per step (0:
+        none) by prompt lookup of n-grams up to `prompt_lookup` long."""
         if attention not in ("kernel", "gather"):
             raise ValueError(f"attention must be 'kernel' or 'gather', got {attention!r}")
+        SamplingParams(speculate=speculate, prompt_lookup=prompt_lookup).check()
+        self.speculation = speculate, prompt_lookup
         self.model, self.tokenizer = model, tokenizer
         self.limits = Limits() if limits is None else limits
         config, weight = model.config, model.lm_head.weight
@@ -77,6 +85,7 @@ class Engine:
         self.wakeup = threading.Condition()
         self.thread, self.stopping = None, False
         self.peak_blocks, self.steps = 0, 0
+        self.proposed_tokens = self.accepted_tokens = 0  # speculative decoding, summed over requests
 
     # ------------------------------------------------------------------ the caller's side
     # (any thread)
@@ -97,6 +106,10 @@ class Engine:
         if processors is None:  # token ids checked and constraints compiled, once per SamplingParams
             processors = [params.processors(self.tokenizer, self.tokenizer.n_vocab) for params in samples]
         context_len = self.model.config.context_len
+        for params in samples:
+            if self.speculation_of(params)[0] >= context_len:
+                raise ValueError(f"speculate must be below the model's context ({context_len}): a "
+                                 f"step feeds the newest token and the proposals")
         for prompt in prompts:
             if not 1 <= len(prompt) <= context_len:
                 raise ValueError(f"a prompt must have 1 to {context_len} tokens "
@@ -104,11 +117,22 @@ class Engine:
         self.limits.check_request(prompts, samples)
         with self.admitting:
             self.limits.check_room(self.num_waiting(), len(prompts) * len(samples))
-            requests = [Request(prompt, params, on_output, self.tokenizer, self.device, row)
+            requests = [Request(prompt, params, on_output, self.tokenizer, self.device, row,
+                                self.lookup_for(params, prompt))
                         for prompt in prompts for params, row in zip(samples, processors)]
             self.inbox.extend(requests)
         self.notify()
         return requests
+
+    def speculation_of(self, params):
+        """(k, max_ngram): a request's own settings, or the engine's where it has none."""
+        k, n = self.speculation
+        return (k if params.speculate is None else params.speculate,
+                n if params.prompt_lookup is None else params.prompt_lookup)
+
+    def lookup_for(self, params, prompt):
+        k, max_ngram = self.speculation_of(params)
+        return Lookup(k, max_ngram, prompt) if k else None
 
     def add_request(self, prompt, params, on_output=lambda request, output: None):
         """submit() of one prompt and one sample: the Request."""
@@ -142,19 +166,33 @@ class Engine:
         passes = self.scheduler.schedule()                     # 1. schedule
         if not passes:
             return False
-        self.peak_blocks = max(self.peak_blocks, self.pool.num_used())
         for batch in passes:
-            tokens, logprobs = self.runner.run(batch)          # 2. run
-            self.scheduler.computed(batch)
-            drawn = [r for r in batch if not r.unfed]  # a prompt fed in part: no token yet
-            for request, token, logprob in zip(drawn, tokens, logprobs):  # 3. hand out
-                if request.params.max_tokens == 0:  # the prefill was all it asked for
-                    request.text.done = True
-                    self.deliver(request, None, "length")
-                else:
-                    self.emit(request, token, logprob)
+            self.run_pass(batch)
         self.steps += 1
         return True
+
+    def run_pass(self, batch):
+        """One pass of a step: proposals added, the model run, proposals checked and rolled
+        back, each request's new tokens handed out."""
+        self.proposed_tokens += add_proposals(batch, self.scheduler)
+        self.peak_blocks = max(self.peak_blocks, self.pool.num_used())
+        tokens, logprobs = self.runner.run(batch)              # 2. run
+        drawn = [r for r in batch if not r.unfed]  # a prompt fed in part: no token yet
+        for request, new in zip(drawn, tokens):
+            if request.proposed:  # all but the last new token are accepted proposals
+                self.accepted_tokens += len(new) - 1
+                request.lookup.checked(request.proposed, len(new) - 1)
+                self.scheduler.rollback(request, len(new) - 1)
+        self.scheduler.computed(batch)
+        for request, new, new_logprobs in zip(drawn, tokens, logprobs):  # 3. hand out
+            if request.params.max_tokens == 0:  # the prefill was all it asked for
+                request.text.done = True
+                self.deliver(request, None, "length")
+                continue
+            for token, logprob in zip(new, new_logprobs):
+                if request.state == FINISHED:  # a stop string among the accepted tokens
+                    break
+                self.emit(request, token, logprob)
 
     def emit(self, request, token, logprob=None):
         """Append the token, hand out the text that is ready, retire the request if done.
@@ -271,4 +309,5 @@ class Engine:
                 "preemptions": self.scheduler.preemptions, "steps": self.steps,
                 "lone_steps": self.runner.lone_steps,
                 "prefilled_tokens": self.scheduler.prefilled_tokens,
-                "cached_tokens": self.scheduler.cached_tokens}
+                "cached_tokens": self.scheduler.cached_tokens,
+                "proposed_tokens": self.proposed_tokens, "accepted_tokens": self.accepted_tokens}

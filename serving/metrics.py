@@ -4,8 +4,9 @@ GET /metrics: the server's state and latencies in Prometheus's text format, for 
 
 Two kinds of figure:
   - what the engine already counts (requests running and waiting, KV blocks used and free,
-    preemptions, prefix-cache hits) is read from Engine.stats() when the page is scraped,
-    by a collector, so nothing is counted twice;
+    preemptions, prefix-cache hits, speculative decoding's proposed and accepted tokens) is
+    read from Engine.stats() when the page is scraped, by a collector, so nothing is
+    counted twice;
   - what happens to requests (tokens in and out, time to first token, time between
     tokens) is recorded as it happens, from on_output on the engine's thread.
 
@@ -50,7 +51,11 @@ class EngineCollector:
                                 value=s["cached_tokens"] / queried if queried else 0.0)
         counters = [("num_preemptions", "Sequences preempted (recomputed later)", s["preemptions"]),
                     ("prefix_cache_queries", "Context tokens admitted (prefill)", queried),
-                    ("prefix_cache_hits", "Context tokens found in the prefix cache", s["cached_tokens"])]
+                    ("prefix_cache_hits", "Context tokens found in the prefix cache", s["cached_tokens"]),
+                    ("spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding (checked)",
+                     s["proposed_tokens"]),
+                    ("spec_decode_num_accepted_tokens", "Proposed tokens the model accepted",
+                     s["accepted_tokens"])]
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
 

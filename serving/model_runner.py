@@ -3,8 +3,10 @@ The model runner: one pass of the model over a batch of sequences, and the token
 draws.
 
     run(batch)   1. forward: the logits of each sequence's last token, by one of three routes
-                 2. draw:    one token per sequence, each with its own settings
-                 3. the log-probabilities of the drawn tokens, for the requests that ask
+                 2. draw:    one token per sequence, each with its own settings; a sequence
+                             with proposals (speculative decoding, serving/speculation.py)
+                             has them checked instead: its accepted ones and one more
+                 3. the log-probabilities of the new tokens, for the requests that ask
 
 The routes of forward, the first that takes the batch:
 
@@ -28,6 +30,8 @@ logits (Request.processing).
 import torch
 
 from generation.cpu_layout import unpack_linears
+from generation.logits_processors import RowsProcessing
+from generation.speculative import Proposals, check
 from sample import sample, sample_rows_with_noise
 from serving.decode_index import DecodeIndex, column_slots, fed_rows
 from serving.lone_step import LoneStep
@@ -83,27 +87,33 @@ class ModelRunner:
         self.noise = torch.ones(max_batch, model.config.vocab_size, device=self.device)
 
     def run(self, batch):
-        """One pass over batch: the token each sequence draws (a list) and its Logprob (None
-        unless the request asks), but for a prompt fed in part (its `unfed` tokens wait for
-        later chunks), which draws nothing: its logits are not the next token's, and a
-        seeded request's generator must not move. A request scoring its prompt has its
-        prompt_logprobs."""
-        logits, drawn = self.forward(batch)
+        """One pass over batch: each sequence's new tokens (a list: the token it draws, or
+        after its proposals were checked, the accepted ones and the model's next) and their
+        Logprobs (None unless the request asks), but for a prompt fed in part (its `unfed`
+        tokens wait for later chunks), which draws nothing: its logits are not the next
+        token's, and a seeded request's generator must not move. A request scoring its
+        prompt has its prompt_logprobs."""
+        logits, drawn, checked = self.forward(batch)
         rows = [i for i, s in enumerate(batch) if not s.unfed]
-        if len(rows) < len(batch):
+        if len(rows) < len(batch):  # a prefill pass: none of its rows has proposals
             logits, drawn = logits[rows], None if drawn is None else drawn[rows]
             batch = [batch[i] for i in rows]
             if not batch:
                 return [], []
         tokens = self.draw(logits, batch, drawn)
-        return tokens.tolist(), self.token_logprobs(logits, tokens, batch)
+        logprobs = self.token_logprobs(logits, tokens, batch)
+        new = [([token], [logprob]) for token, logprob in zip(tokens.tolist(), logprobs)]
+        for row, fed_logits in checked.items():
+            new[row] = self.check_proposals(fed_logits, batch[row])
+        return [tokens for tokens, _ in new], [logprobs for _, logprobs in new]
 
     # ------------------------------------------------------------------ 1. forward
 
     def forward(self, batch):
         """Feed every sequence its tokens not yet cached: the logits (B, V) of each
-        sequence's last token, and the tokens (B,) drawn inside a compiled step (None: draw
-        makes them)."""
+        sequence's last token, the tokens (B,) drawn inside a compiled step (None: draw
+        makes them), and {row: logits (1 + proposed, V)} at every fed position of each
+        sequence with proposals."""
         if self.lone is not None and decodes_alone(batch):
             return self.forward_lone(batch[0])
         if self.compiled_decode and self.fits_compiled_step(batch):
@@ -115,7 +125,7 @@ class ModelRunner:
         after the step), a request that samples is drawn from the logits."""
         self.lone_steps += 1
         logits, greedy = self.lone.decode(request)
-        return logits, greedy if request.params.temperature == 0 and not request.draws_alone else None
+        return logits, greedy if request.params.temperature == 0 and not request.draws_alone else None, {}
 
     def fits_compiled_step(self, batch):
         """Nothing to score (its every position's logits are the eager forward's), and: a
@@ -131,12 +141,16 @@ class ModelRunner:
         if any(s.score_prompt for s in batch):
             return False
         fed = [s.num_fed for s in batch]
-        if max(fed) > 1:  # a prefill
+        if sum(fed) > self.noise.size(0):
+            return False
+        # proposals are rows as the decode rows are: each reads its whole context
+        # (serving/speculation.py keeps a pass within max_batch rows)
+        if max(n - s.proposed for n, s in zip(fed, batch)) > 1:  # a prefill
             if not self.frozen:
                 return False
             # the fed row at position p reads p + 1 columns
             columns = sum(n * s.context_len - n * (n - 1) // 2 for n, s in zip(fed, batch))
-            if sum(fed) > self.noise.size(0) or columns > ROW_COLUMNS:
+            if columns > ROW_COLUMNS:
                 return False
         return max(s.context_len for s in batch) > 1
 
@@ -159,7 +173,11 @@ class ModelRunner:
         logits, drawn = compiled_decode_step(self.model, tokens, positions, self.pool.kv, read_slots,
                                              write_slots, visible, temperature, noise,
                                              freeze=self.frozen, fmt=self.pool.format)
-        return (logits, drawn) if last is None else (logits[last], drawn[last])
+        if last is None:
+            return logits, drawn, {}
+        checked = {row: logits[end - s.proposed:end + 1]  # a sequence's rows end at its last
+                   for row, (s, end) in enumerate(zip(batch, last.tolist())) if s.proposed}
+        return logits[last], drawn[last], checked
 
     def draw_at_rows(self, temperature, noise, last, num_rows):
         """The batch's draw (a row per sequence) moved to each sequence's last row of a pass
@@ -175,10 +193,12 @@ class ModelRunner:
         computed (which spares a (T x vocab) matmul) unless a sequence scores its prompt."""
         tokens, cache = self.prepare(batch)
         scoring = any(s.score_prompt for s in batch)
-        logits = self.model(tokens, cache, last_only=not scoring)[0]
+        every_position = scoring or any(s.proposed for s in batch)
+        logits = self.model(tokens, cache, last_only=not every_position)[0]      # (B, T or 1, V)
         if scoring:
             self.score_prompts(logits, batch)
-        return logits[:, -1], None
+        checked = {row: logits[row, -1 - s.proposed:] for row, s in enumerate(batch) if s.proposed}
+        return logits[:, -1], None, checked
 
     def prepare(self, batch):
         """The eager pass's input tokens (B, T) and its PagedCache.
@@ -237,6 +257,8 @@ class ModelRunner:
             tokens = sample_rows_with_noise(logits, noise, temperature)
         groups = {}
         for row, r in enumerate(batch):
+            if r.proposed:  # its tokens come from check_proposals
+                continue
             if r.processing is not None:
                 tokens[row] = self.draw_processed(logits[row:row + 1], r)
             elif r.draws_alone:
@@ -257,12 +279,34 @@ class ModelRunner:
         p = request.params
         return int(sample(logits, p.temperature, p.top_k, p.top_p, request.generator, p.min_p)[0, 0])
 
+    def check_proposals(self, logits, request):
+        """A sequence's proposals checked against its logits (1 + k, V) at every fed position
+        (its newest token and each proposal) by speculative.check, generate.py's rule: the
+        accepted proposals and the model's next token (-1: its processors leave it none),
+        and their Logprobs (None unless asked)."""
+        p = request.params
+        k = request.proposed
+        logits = logits[:, :self.vocab_limit]
+        proposals = Proposals(torch.tensor([request.tokens[-k:]], device=self.device),
+                              torch.tensor([k], device=self.device))
+        sampling = dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                        generator=request.generator, min_p=p.min_p)
+        processing = None if request.processing is None else RowsProcessing([request.processing])
+        tokens, counts = check(logits[None], proposals, sampling, processing)
+        tokens = tokens[0, :int(counts[0])]
+        logprobs = [None] * len(tokens)
+        if p.logprobs is not None:
+            taken = int((tokens >= 0).sum())  # (a token < 0: the request ends without one)
+            logprobs[:taken] = log_probabilities(logits[:taken], tokens[:taken].tolist(),
+                                                 [p.logprobs] * taken)
+        return tokens.tolist(), logprobs
+
     # ------------------------------------------------------------------ 3. log-probabilities
 
     def token_logprobs(self, logits, tokens, batch):
         """A Logprob of each row's new token for the rows that asked for one, else None."""
         rows = [i for i, r in enumerate(batch)  # (a token < 0: the request ends without one)
-                if r.params.logprobs is not None and int(tokens[i]) >= 0]
+                if r.params.logprobs is not None and int(tokens[i]) >= 0 and not r.proposed]
         found = [None] * len(batch)
         if rows:
             wanted = log_probabilities(logits[rows, :self.vocab_limit], tokens[rows].tolist(),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from generation.logits_processors import Processors, RowProcessing, bad_word_ids
+from generation.speculative import PromptLookup
 from generation.structured import KINDS, compile_constraint
 from plumbing.text_stream import SampleText, eos_token_ids
 from sample import check_sampling_args
@@ -48,6 +49,11 @@ class SamplingParams:
     # "regex" (a str, Rust syntax), "choice" (a list of str), "grammar" (Lark or GBNF text)
     structured: tuple = None
     include_stop_str_in_output: bool = False
+    # speculative decoding (serving/speculation.py): up to `speculate` tokens proposed per
+    # step by prompt lookup of n-grams up to `prompt_lookup` long; None: the engine's
+    # (serve.py --speculate, --prompt-lookup), speculate=0: none
+    speculate: int = None
+    prompt_lookup: int = None
 
     def check(self):
         """ValueError (one line) for a setting that has no meaning, without the tokenizer
@@ -61,7 +67,9 @@ class SamplingParams:
             raise ValueError(f"structured must be (kind, spec), kind one of {', '.join(KINDS)}")
         if any(not s for s in self.stop):
             raise ValueError("a stop string must not be empty")
-        for name in ("logprobs", "prompt_logprobs"):
+        if self.prompt_lookup is not None and not 1 <= self.prompt_lookup <= PromptLookup.MAX_NGRAM:
+            raise ValueError(f"prompt_lookup must be 1..{PromptLookup.MAX_NGRAM}, got {self.prompt_lookup}")
+        for name in ("logprobs", "prompt_logprobs", "speculate"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.processor_settings(()).check(2 ** 62)  # ranges now; ids against the vocabulary later
@@ -108,10 +116,11 @@ class Output:
 class Request(Sequence):
     """A sequence plus what the caller asked for and what it has been given."""
 
-    def __init__(self, prompt, params, on_output, tokenizer, device, processors=None):
-        """processors: params.processors(tokenizer, ...), made once for a request's samples."""
+    def __init__(self, prompt, params, on_output, tokenizer, device, processors=None, lookup=None):
+        """processors: params.processors(tokenizer, ...), made once for a request's samples.
+        lookup: its speculation.Lookup when it speculates, else None."""
         super().__init__(prompt)
-        self.params, self.on_output = params, on_output
+        self.params, self.on_output, self.lookup = params, on_output, lookup
         self.text = SampleText(tokenizer, list(params.stop), params.stop_at_eot,
                                params.stop_token_ids, params.include_stop_str_in_output)
         # each sample's own state: its output so far, its place in the grammar

@@ -55,6 +55,9 @@ class Sequence:
         self.unfed = []                   # context tokens past this chunk (Scheduler.prefill)
         self.state = WAITING
         self.score_prompt = False         # the first pass feeds the whole prompt (its logits)
+        # speculative decoding (serving/speculation.py): tokens[-proposed:] are proposals the
+        # next pass checks; after it, the keys of the `accepted` ones stay (rollback)
+        self.proposed = self.accepted = 0
         self.cached_prompt_tokens = None  # prompt tokens the prefix cache spared, once admitted
 
     @property
@@ -198,6 +201,15 @@ class Scheduler:
         seq.blocks.append(self.pool.take_free())
         return True
 
+    def reserve_proposals(self, seq, k):
+        """Make sure blocks exist for seq's newest token and k proposals after it, taking
+        free ones; False, and none taken, when there are too few (proposals never preempt)."""
+        needed = self.pool.blocks_for(seq.context_len + k) - len(seq.blocks)
+        if needed > len(self.pool.free):
+            return False
+        seq.blocks += [self.pool.take_free() for _ in range(needed)]
+        return True
+
     def preempt(self, seq):
         """Free seq's blocks; it waits at the front of the queue and is recomputed from its
         tokens when there is room again (recomputing is cheaper than swapping to other
@@ -214,15 +226,29 @@ class Scheduler:
         one more turn) can share generated text too."""
         tpb = self.pool.tokens_per_block
         for seq in batch:
-            seq.num_cached = seq.context_len
+            # + the accepted proposals' keys: the engine appends them as tokens next (rollback)
+            seq.num_cached, seq.accepted = seq.context_len + seq.accepted, 0
             seq.score_prompt = False  # scored once, by the pass that prefilled it
-            while len(seq.hashes) < seq.num_cached // tpb:
+            while len(seq.hashes) < min(seq.num_cached, seq.context_len) // tpb:
                 i = len(seq.hashes)
                 first = seq.start + i * tpb
                 parent = seq.hashes[-1] if seq.hashes else b""
                 h = self.pool.block_hashes(seq.tokens[first:first + tpb], parent)[0]
                 self.pool.index(seq.blocks[i], h)
                 seq.hashes.append(h)
+
+    def rollback(self, seq, accepted):
+        """A pass fed seq's newest token and its `proposed` proposals, and the first
+        `accepted` of them were right. The proposals leave its tokens (the engine hands the
+        accepted ones out as new tokens, which appends them again; computed() counts their
+        keys as cached); the blocks past the keys it keeps go back to the pool whole. None
+        of those was in the prefix index: a block joins it once every position in it is
+        cached (computed), and the proposals' positions were not."""
+        del seq.tokens[len(seq.tokens) - seq.proposed:]
+        kept = self.pool.blocks_for(seq.context_len + accepted)
+        self.pool.release(seq.blocks[kept:])
+        del seq.blocks[kept:]
+        seq.proposed, seq.accepted = 0, accepted
 
     def reprefill(self, seq):
         """Past the context: the generation loop's policy (generation/loop.py, reprefill).

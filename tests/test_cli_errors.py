@@ -165,6 +165,10 @@ CASES = [  # (script, args, what the error line must mention)
     ("serve.py", ["--ckpt", "{d}/tiny.pt", "--tokens-per-block", "1000000000"], "would need"),
     ("serve.py", ["--ckpt", "{d}/tiny.pt", "--kv-dtype", "int8", "--num-blocks", "4000000000"], "would need"),
     ("serve.py", ["--kv-dtype", "int7"], "invalid choice: 'int7'"),
+    ("serve.py", ["--speculate", "4"], "--speculate K needs a proposer"),
+    ("serve.py", ["--prompt-lookup", "3"], "also give --speculate K"),
+    ("serve.py", ["--speculate", "4", "--draft", "{d}/good.pt"], "the engine proposes by prompt lookup only"),
+    ("serve.py", ["--ckpt", "{d}/tiny.pt", "--speculate", "100000", "--prompt-lookup", "3"], "use at most"),
 ]
 if importlib.util.find_spec("matplotlib") is None:  # found before the run, not after it
     CASES.append(("benchmark.py", ["--quick", "--plot", "{d}/new.png"], "needs matplotlib"))
