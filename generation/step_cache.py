@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from generation.private_folder import UnsafeFolder, open_own, private_folder, write_new
-from plumbing.progress import Ticker
+from plumbing.ticker import Ticker
 
 FOLDER_VARIABLE = "KVCACHE_GPT_CACHE_DIR"
 OFF_VARIABLE = "KVCACHE_GPT_NO_COMPILE_CACHE"  # set, and not "" or "0": no cache

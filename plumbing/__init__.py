@@ -1,6 +1,7 @@
 """
 The plumbing around the lesson: what the commands need and the lesson's modules
-(base_model, kv_cache, sample) never import.
+(base_model, kv_cache, sample) never import. (The engine's modules use the few files here
+that import nothing of the command line: text_stream, user_text, kernel_build, ticker.)
 
     script.py       begin() before the slow imports, run(main) around main(), UserError
                     (CheckpointError for a file): a user's mistake is one line on stderr, status 2
@@ -20,4 +21,8 @@ The plumbing around the lesson: what the commands need and the lesson's modules
     scoring.py      generate.py --score: held-out bits per character, through the cache too
     stats_report.py what generate.py --stats and --json report
     text_stream.py  tokens to text, one at a time; stop strings and end-of-sequence ids
+    processor_args.py generate.py's logits-processor and structured-output flags
+    kernel_build.py building a C++ operator of ours on first use, one build at a time, safely
+    progress.py     one line on a terminal saying how far loading a multi-GB model has got
+    ticker.py       a seconds count on a terminal around one long call (a compiled step's build)
 """

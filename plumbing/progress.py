@@ -8,15 +8,15 @@ in place, says how far it is:
 Only on a terminal: a log file or a pipe would fill with rewritten lines, and a command
 asked for --json keeps stderr for what went wrong. The line is cleared when the work ends;
 Ctrl-C during the work leaves one line saying how far it got (on any stream: that is news).
-Work whose share done cannot be measured (building a compiled step: one long call into
-torch) shows its time instead, from a thread (Ticker).
+Work whose share done cannot be measured (building a compiled step) shows its time
+instead: plumbing/ticker.py.
 """
 
 import sys
-import threading
 import time
 
 from plumbing.memory import format_bytes
+from plumbing.ticker import is_terminal
 
 REFRESH_SECONDS = 0.5  # a line rewritten more often is only flicker
 
@@ -58,41 +58,3 @@ class Progress:
             self.interrupted()
         else:
             self.close()
-
-
-class Ticker:
-    """`with Ticker(what):` around one long call: on a terminal the line "what: 12 s" is
-    rewritten every second until the call returns, then cleared; Ctrl-C leaves one line."""
-
-    def __init__(self, what, stream=None, every=1.0):
-        self.stream = sys.stderr if stream is None else stream
-        self.what, self.every = what, every
-        self.finished = threading.Event()
-        self.thread = threading.Thread(target=self.tick, daemon=True)
-
-    def tick(self):
-        while not self.finished.wait(self.every):
-            self.stream.write(f"\r{self.what}: {time.perf_counter() - self.start:.0f} s\033[K")
-            self.stream.flush()
-
-    def __enter__(self):
-        self.start = time.perf_counter()
-        if is_terminal(self.stream):
-            self.thread.start()
-        return self
-
-    def __exit__(self, kind, value, traceback):
-        self.finished.set()
-        if self.thread.is_alive():
-            self.thread.join()
-            self.stream.write("\r\033[K")
-        if kind is KeyboardInterrupt:
-            self.stream.write(f"{self.what}: interrupted after {time.perf_counter() - self.start:.0f} s\n")
-        self.stream.flush()
-
-
-def is_terminal(stream):
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):  # no isatty, or a closed stream
-        return False

@@ -17,7 +17,8 @@ from plumbing import checkpoint
 from plumbing.checkpoint import check_values
 from plumbing.hf import load_hf_model
 from plumbing.memory import model_memory
-from plumbing.progress import Progress, Ticker
+from plumbing.progress import Progress
+from plumbing.ticker import Ticker
 from plumbing.script import CheckpointError
 
 
