@@ -29,22 +29,26 @@ if __name__ == "__main__":  # run as a command; importing this file changes noth
     begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
 
 import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
 from benchmarks.peers import (LLAMA_OUTTYPES, PROMPT_TOKENS, leading_matches, llama_cpp_engines,  # noqa: E402
                               llama_greedy, random_prompt)
 from benchmarks.timing import alternate, spread, timed  # noqa: E402
 from benchmarks.weight_formats import weight_bytes_per_token  # noqa: E402
+from generation.cpu_layout import pack_linears  # noqa: E402
 from generation.loop import GenerationStats, synchronize  # noqa: E402
 from weight_quant import INT4_GROUP_SIZES, int4_group_size, quantize_model  # noqa: E402
 
-OURS = {  # name: (the model's dtype, weight-only quantization, compiled decode step)
-    "ours fp32 eager": (torch.float32, None, False),
-    "ours fp32 compiled": (torch.float32, None, True),
-    "ours bf16": (torch.bfloat16, None, False),     # --dtype bfloat16
-    "ours int8": (torch.float32, "int8", False),    # --quantize int8
-    "ours int8 compiled": (torch.float32, "int8", True),  # --quantize int8 --compile
-    "ours int4": (torch.float32, "int4", False),    # --quantize int4 [--group-size]
-    "ours int4 compiled": (torch.float32, "int4", True),  # --quantize int4 --compile
+OURS = {  # name: (the model's dtype, weight-only quantization, compiled decode step, kernels)
+    "ours fp32 eager": (torch.float32, None, False, None),
+    "ours fp32 compiled": (torch.float32, None, True, None),
+    "ours bf16": (torch.bfloat16, None, False, None),     # --dtype bfloat16
+    # the same weights multiplied by torch's F.linear: what our bf16 kernel replaced
+    "ours bf16, torch's matmul": (torch.bfloat16, None, False, "torch"),
+    "ours int8": (torch.float32, "int8", False, None),    # --quantize int8
+    "ours int8 compiled": (torch.float32, "int8", True, None),  # --quantize int8 --compile
+    "ours int4": (torch.float32, "int4", False, None),    # --quantize int4 [--group-size]
+    "ours int4 compiled": (torch.float32, "int4", True, None),  # --quantize int4 --compile
 }
 REFERENCE = "ours fp32 eager"  # greedy agreement is counted against its tokens
 BASELINE = "llama.cpp f32"     # the ratio column divides by its tokens/s
@@ -54,20 +58,28 @@ PAIRS = (("ours fp32 compiled", "llama.cpp f32"), ("ours fp32 eager", "llama.cpp
          ("ours int4 compiled", "llama.cpp q4_0"), ("ours int4", "llama.cpp q4_0"))
 
 
-def ours_variant(fp32_model, dtype, scheme, group_size, compile):
+def ours_variant(fp32_model, dtype, scheme, group_size, compile, kernels=None):
     """The fp32 model in one form: itself for fp32 eager (a 1B model's copy would be 5 GB
-    more), else a copy (the Linear weights' column-major layout kept: .to() and
-    quantize_model copy from them; a compiled one keeps its graph on the copy). A quantized
-    copy of the same dtype shares the fp32 model's weight matrices (deepcopy's memo): the
+    more), else a copy (a compiled one keeps its graph on the copy). A quantized copy of
+    the same dtype shares the fp32 model's weight matrices (deepcopy's memo): the
     quantization only reads them, and the tied table stays shared, so the copy costs its
-    int8/int4 buffers alone (at the 1B shape 1-2 GB instead of 5 more)."""
+    int8/int4 buffers alone (at the 1B shape 1-2 GB instead of 5 more). A copy in another
+    dtype gets each weight matrix converted straight into it (the memo again: not a whole
+    fp32 copy first), row-major as a checkpoint in that dtype loads; its bf16 Linears then
+    get our kernel, as every command's do (cpu_layout.pack_linears), unless kernels is
+    "torch" (torch's F.linear: the row before ours)."""
     if (dtype, scheme, compile) == (fp32_model.lm_head.weight.dtype, None, False):
         return fp32_model
     if scheme and dtype == fp32_model.lm_head.weight.dtype:
         shared = {id(p): p for p in fp32_model.parameters() if p.dim() == 2}
         return quantize_model(copy.deepcopy(fp32_model, shared), scheme, group_size)
-    model = copy.deepcopy(fp32_model).to(dtype)  # .to() would change shared weights in place
-    return quantize_model(model, scheme, group_size) if scheme else model
+    converted = {id(p): nn.Parameter(p.detach().to(dtype, memory_format=torch.contiguous_format),
+                                     requires_grad=p.requires_grad)
+                 for p in fp32_model.parameters() if p.dim() == 2}
+    model = copy.deepcopy(fp32_model, converted).to(dtype)  # the rest: norms, buffers
+    if scheme:
+        return quantize_model(model, scheme, group_size)
+    return model if kernels == "torch" else pack_linears(model)
 
 
 def compile_step(model, prompt):
@@ -105,10 +117,10 @@ def model_table(label, fp32_model, read_GBps, n, reps, ours, group_size, llama_e
     prompt = random_prompt(fp32_model.config.vocab_size, fp32_model.lm_head.weight.device)
     runs, rows, skipped = {}, {}, {}
     for name in ours:
-        dtype, scheme, compile = OURS[name]
+        dtype, scheme, compile, kernels = OURS[name]
         t0 = time.perf_counter()
         try:
-            model = ours_variant(fp32_model, dtype, scheme, group_size, compile)
+            model = ours_variant(fp32_model, dtype, scheme, group_size, compile, kernels)
             if compile:
                 compile_step(model, prompt)
         except Exception as e:  # a shape the scheme refuses; no C++ compiler for the compile
@@ -146,7 +158,7 @@ def decode_speed(models, n, reps, floors, compile_note=None, llama_cpp_note=None
     measured in this run. compile_note / llama_cpp_note: why the compiled row / llama.cpp's
     rows are left out (None: they run). quantize=False leaves out int8 and int4.
     contestants: names of OURS to run (default: all those); llama_outtypes: llama.cpp's."""
-    ours = [name for name, (_, scheme, compile) in OURS.items()
+    ours = [name for name, (_, scheme, compile, _) in OURS.items()
             if not (compile and compile_note) and (quantize or not scheme)
             and (contestants is None or name in contestants)]
     tables = []

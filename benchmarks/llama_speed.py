@@ -56,7 +56,8 @@ SHAPES = {
                         rope_scaling=LLAMA3_SCALING, tie_embeddings=True),
 }
 LLAMA_OUTTYPES = ("f32", "q8_0", "q4_0")  # through the binding (it has no bf16; f16 is llama-bench's)
-BENCH_OUTTYPES = {"fp32": "f32", "bf16": "f16", "int8": "q8_0", "int4": "q4_0"}  # ours: llama-bench's
+BENCH_OUTTYPES = {"fp32": "f32", "bf16": "f16", "bf16-torch": "f16", "int8": "q8_0",  # ours: llama-bench's
+                  "int4": "q4_0"}
 PREFILL_LENGTHS = (128, 512, 2048)
 
 
@@ -91,8 +92,8 @@ def llama_speed(shape, n, reps, device, prefill_lengths=PREFILL_LENGTHS, forms=t
 def prefill_section(model, label, n, reps, lengths, forms, read_GBps):
     """Ours' prefill rows, the machine's matmul peaks, and llama-bench's pp/tg (or why not)."""
     note = llama_bench_missing()
-    bench = {} if note else llama_bench_rows(model, label, [BENCH_OUTTYPES[f] for f in forms],
-                                             lengths, n, reps)
+    outtypes = list(dict.fromkeys(BENCH_OUTTYPES[f] for f in forms))  # bf16 and bf16-torch: f16 once
+    bench = {} if note else llama_bench_rows(model, label, outtypes, lengths, n, reps)
     for row in bench.values():  # its decode against the same floor as ours'
         row["floor_ms"] = row["weight_bytes"] / read_GBps / 1e6
     return {"lengths": list(lengths), "ours": prefill_rows(model, forms, lengths, reps),
@@ -110,8 +111,8 @@ def main():
     p.add_argument("--prefill", type=int, nargs="+", default=list(PREFILL_LENGTHS), metavar="T",
                    help="prompt lengths of the prefill table (default: 128 512 2048)")
     p.add_argument("--forms", nargs="+", choices=list(FORMS), default=list(FORMS),
-                   help="ours' forms in both tables (default: all; bf16 copies the fp32 model "
-                        "first: 5 GB more at the 1B shape)")
+                   help="ours' forms in both tables (default: all; bf16 and bf16-torch, the same "
+                        "weights multiplied by torch's F.linear, 2.5 GB each at the 1B shape)")
     args = p.parse_args()
     if args.json is not None:
         check_output_path(args.json, "json")

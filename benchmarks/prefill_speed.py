@@ -20,7 +20,8 @@ import torch.nn as nn
 from benchmarks.decode_speed import OURS, ours_variant
 from benchmarks.timing import spread
 
-FORMS = {"fp32": "ours fp32 eager", "bf16": "ours bf16", "int8": "ours int8", "int4": "ours int4"}
+FORMS = {"fp32": "ours fp32 eager", "bf16": "ours bf16", "bf16-torch": "ours bf16, torch's matmul",
+         "int8": "ours int8", "int4": "ours int4"}
 WARM_UP_TOKENS = 16  # a short pass first: a model's first forward pays one-time costs
 
 
@@ -61,8 +62,8 @@ def prefill_rows(fp32_model, forms, lengths, reps, group_size=None):
     prompts = {T: torch.randint(vocab, (1, T), generator=torch.Generator().manual_seed(T)) for T in lengths}
     rows = {}
     for form in forms:
-        dtype, scheme, _ = OURS[FORMS[form]]
-        model = ours_variant(fp32_model, dtype, scheme, group_size, False)
+        dtype, scheme, _, kernels = OURS[FORMS[form]]
+        model = ours_variant(fp32_model, dtype, scheme, group_size, False, kernels)
         prefill_seconds(model, prompts[lengths[0]][:, :WARM_UP_TOKENS])
         rates = {T: [T / prefill_seconds(model, prompts[T]) for _ in range(reps)] for T in lengths}
         rows[form] = {"tok_s": {T: spread(r) for T, r in rates.items()},

@@ -1,7 +1,8 @@
 """
 The quantized matrix-vector products alone, at the shapes of real models: torch's CPU
 kernels (torch._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu, fed bf16, what
-weight_quant.py falls back to) beside ours (generation/quantized_matmul.cpp), on 1 and 2
+weight_quant.py falls back to) beside ours (generation/quantized_matmul.cpp), and the same
+for bf16 weights (torch's F.linear beside generation/bf16_matmul.cpp, x in bf16), on 1 and 2
 threads, each against the memory's speed measured in the same run (a plain sum of 1 GiB).
 
     python -m benchmarks.quantized_kernels                  # the 1B and 8B shapes, ~2 minutes
@@ -16,18 +17,20 @@ from plumbing.script import begin, run
 if __name__ == "__main__":  # run as a command; importing this file changes nothing
     begin()  # before torch: Ctrl-C during the slow imports ends quietly (plumbing/script.py)
 
+import copy  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from generation import quantized_matmul  # noqa: E402
+from generation import bf16_matmul, quantized_matmul  # noqa: E402
+from generation.bf16_matmul import Bf16Linear  # noqa: E402
 from plumbing.cli import ArgumentParser, positive_int  # noqa: E402
 from plumbing.outputs import check_output_path, publish_result  # noqa: E402
 from weight_quant import Int4Linear, Int8Linear  # noqa: E402
 
 SHAPES = {  # (out, in) of each distinct Linear: attention's, the MLP's two, the output layer
-    "llama-3.2-1b": [(2048, 2048), (8192, 2048), (2048, 8192), (128256, 2048)],
+    "llama-3.2-1b": [(2048, 2048), (512, 2048), (8192, 2048), (2048, 8192), (128256, 2048)],
     "llama-3-8b": [(4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096)],
 }
 KERNELS = {  # name: how its Linear is made (each casts fp32 x to what its kernel takes)
@@ -35,7 +38,11 @@ KERNELS = {  # name: how its Linear is made (each casts fp32 x to what its kerne
     "int8 ours": (lambda lin: Int8Linear(lin, kernel="ours")),
     "int4 torch": (lambda lin: Int4Linear(lin, 64, kernel="torch")),
     "int4 ours": (lambda lin: Int4Linear(lin, 64, kernel="ours")),
+    # bf16 weights, not quantized, fed bf16 x as a bf16 model's are: F.linear, and ours
+    "bf16 torch": (lambda lin: copy.deepcopy(lin).bfloat16()),
+    "bf16 ours": (lambda lin: Bf16Linear(copy.deepcopy(lin).bfloat16())),
 }
+RATIOS = ("int8", "int4", "bf16")  # the "torch / ours" columns: torch's time over ours
 
 
 def best_seconds(fn, reps):
@@ -61,8 +68,9 @@ def shape_rows(out_features, in_features, rows, reps, bandwidth):
     result = {}
     for name, build in KERNELS.items():
         layer = build(linear)
-        seconds = best_seconds(lambda: layer(x), reps)
-        nbytes = layer.weight_nbytes()
+        x_in = x.to(layer.weight.dtype) if isinstance(layer, nn.Linear) else x  # bf16 for bf16 weights
+        seconds = best_seconds(lambda: layer(x_in), reps)
+        nbytes = layer.weight.nbytes if isinstance(layer, nn.Linear) else layer.weight_nbytes()
         result[name] = {"ms": 1e3 * seconds, "GBps": nbytes / seconds / 1e9,
                         "x_floor": seconds / (nbytes / bandwidth / 1e9)}
         del layer
@@ -80,21 +88,22 @@ def quantized_kernels(shapes, threads, rows, reps):
                     table.append({"shape": shape, "threads": n_threads, "rows": n_rows, "read_GBps": bandwidth,
                                   "weight": f"{out_features}x{in_features}",
                                   "kernels": shape_rows(out_features, in_features, n_rows, reps, bandwidth)})
-    return {"isa": quantized_matmul.best_isa(), "table": table}
+    return {"isa": quantized_matmul.best_isa(), "bf16_isa": bf16_matmul.best_isa(), "table": table}
 
 
 def print_table(r):
-    print(f"\n## Quantized products alone: ms [GB/s of weights, x the read floor]; ours in {r['isa']}")
+    print(f"\n## Quantized and bf16 products alone: ms [GB/s of weights, x the read floor]; ours in "
+          f"{r['isa']} (bf16: {r['bf16_isa']})")
     names = list(KERNELS)
     print("| shape | weight (out x in) | threads | rows | read GB/s | " + " | ".join(names)
-          + " | int8 ours / torch | int4 ours / torch |")
-    print("|---|---|---|---|---|" + "---|" * (len(names) + 2))
+          + "".join(f" | {s} torch / ours" for s in RATIOS) + " |")
+    print("|---|---|---|---|---|" + "---|" * (len(names) + len(RATIOS)))
     for row in r["table"]:
         k = row["kernels"]
         cells = " | ".join(f"{k[n]['ms']:.2f} [{k[n]['GBps']:.1f}, {k[n]['x_floor']:.1f}x]" for n in names)
-        ratios = [k[f"{s} torch"]["ms"] / k[f"{s} ours"]["ms"] for s in ("int8", "int4")]
+        ratios = "".join(f" | {k[f'{s} torch']['ms'] / k[f'{s} ours']['ms']:.2f}x" for s in RATIOS)
         print(f"| {row['shape']} | {row['weight']} | {row['threads']} | {row['rows']} | "
-              f"{row['read_GBps']:.1f} | {cells} | {ratios[0]:.2f}x | {ratios[1]:.2f}x |")
+              f"{row['read_GBps']:.1f} | {cells}{ratios} |")
 
 
 def main():
@@ -108,8 +117,8 @@ def main():
     args = p.parse_args()
     if args.json is not None:
         check_output_path(args.json, "json")
-    if quantized_matmul.kernels() is None:
-        p.error("our quantized kernels could not be built here (see the warning above)")
+    if quantized_matmul.kernels() is None or bf16_matmul.kernels() is None:
+        p.error("our kernels could not be built here (see the warning above)")
     publish_result(quantized_kernels(args.shapes, args.threads, args.rows, args.reps),
                    "benchmarks.quantized_kernels", print_table, args.json)
 

@@ -207,7 +207,7 @@ def print_prefill(p):
     for form, row in p["ours"].items():
         theirs = p["llama_bench"].get(f"llama.cpp {p['pairs'][form]}", {}).get("pp", {})
         for T in p["lengths"]:
-            peak = peaks["bf16" if form == "bf16" else "fp32"]
+            peak = peaks["bf16" if form.startswith("bf16") else "fp32"]
             pp = theirs.get(T)
             versus = f"{row['tok_s'][T]['median'] / pp:.2f}x" if pp else "-"
             print(f"| {form} | {T} | {fmt_spread(row['tok_s'][T])} | {row['GFLOPs'][T]:.1f} | "

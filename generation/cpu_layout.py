@@ -57,6 +57,11 @@ head multiplies through MKL from the one dense table (it reads one row per seque
 decoding, and only the last position of a prompt). A model whose decode step is compiled stops packing
 (unpack_linears): inductor lays out the weights it compiles itself, and the graph reads
 the Parameters.
+
+A bfloat16 Linear is not packed: a decode step's product reads the weight as it lies with
+our kernel (generation/bf16_matmul.py: a copy would hold a tied table twice and turn a
+memory-mapped checkpoint's pages into memory), so pack_linears makes it a Bf16Linear, which
+a compiled step calls too; larger products stay F.linear's (oneDNN's bf16 GEMM).
 """
 
 import collections
@@ -64,6 +69,8 @@ import collections
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from generation import bf16_matmul
 
 BATCH_HINT = 16  # rows oneDNN tunes the blocked layout for; any number of rows works with it
 PACK_MIN_WEIGHTS = 2**19  # smaller weights multiply faster through MKL (see above)
@@ -149,22 +156,30 @@ def as_parameter(values, like):
 
 
 def pack_linears(model, min_weights=PACK_MIN_WEIGHTS):
-    """Make every float32 nn.Linear of a CPU model with at least min_weights weights a
-    PackedLinear, in place; returns the model. Anything else (smaller, another device or
-    dtype, quantized layers, a torch without oneDNN) is left as it is; a weight tied to
-    another module keeps its dense copy too, or past TIED_PACK_MAX_BYTES is not packed."""
-    if not torch.backends.mkldnn.is_available():
-        return model
+    """Give every nn.Linear of a CPU model the multiply its dtype wants, in place; returns
+    the model. A float32 one with at least min_weights weights becomes a PackedLinear (a
+    weight tied to another module keeps its dense copy too, or past TIED_PACK_MAX_BYTES is
+    not packed); a bfloat16 one a Bf16Linear (generation/bf16_matmul.py: our kernel for
+    decode steps, over the weight where it lies). Anything else (smaller, another device or
+    dtype, quantized layers, a torch without oneDNN, no built kernel) is left as it is."""
     holders = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not (type(child) is nn.Linear and child.weight.device.type == "cpu"
-                    and child.weight.dtype == torch.float32 and child.weight.numel() >= min_weights):
-                continue
-            tied = holders[id(child.weight)] > 1
-            if not (tied and child.weight.nbytes > TIED_PACK_MAX_BYTES):
+            tied = isinstance(child, nn.Linear) and holders[id(child.weight)] > 1
+            if bf16_matmul.kernel_fits(child):
+                setattr(parent, name, bf16_matmul.for_our_kernel(child))
+            elif packs(child, min_weights, tied):
                 setattr(parent, name, PackedLinear(child, keep_dense=tied))
     return model
+
+
+def packs(linear, min_weights, tied):
+    """Whether a Linear is one oneDNN's packed layout serves: a plain float32 nn.Linear on the
+    CPU with at least min_weights weights, where torch has oneDNN; a tied one (its packed
+    copy beside the dense weight the other module reads) only up to TIED_PACK_MAX_BYTES."""
+    return (type(linear) is nn.Linear and linear.weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and linear.weight.dtype == torch.float32 and linear.weight.numel() >= min_weights
+            and not (tied and linear.weight.nbytes > TIED_PACK_MAX_BYTES))
 
 
 def unpack_linears(model):

@@ -157,8 +157,9 @@ def prepare_for_generation(model, args):
     decode-speed weight layout (base_model.store_linears_column_major), --quantize (already
     done by the loaders: then it finds no Linear left to quantize), then the large Linears
     left in float32 on the CPU packed for oneDNN (generation/cpu_layout.py: batches,
-    prefills and the serving engine's steps). Each step re-lays one weight at a time, in
-    place of the one it re-lays."""
+    prefills and the serving engine's steps) and the bfloat16 ones given our decode kernel
+    (generation/bf16_matmul.py). Each step re-lays one weight at a time, in place of the
+    one it re-lays."""
     return pack_linears(quantize_from_args(store_linears_column_major(model), args))
 
 

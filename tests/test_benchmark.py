@@ -36,7 +36,8 @@ def test_quick_benchmark_writes_its_report(tmp_path):
     speed = report["decode_speed"]
     assert "--quick" in speed["compile_note"] and "--no-peer" in speed["llama_cpp_note"]
     checkpoint, shape = speed["models"]
-    assert list(shape["rows"]) == ["ours fp32 eager", "ours bf16", "ours int8", "ours int4"]
+    assert list(shape["rows"]) == ["ours fp32 eager", "ours bf16", "ours bf16, torch's matmul", "ours int8",
+                                  "ours int4"]
     rows = shape["rows"]
     fp32 = rows["ours fp32 eager"]["weight_bytes"]
     assert fp32 / 4 < rows["ours int8"]["weight_bytes"] < fp32 / 3.9
@@ -101,7 +102,8 @@ def test_decode_speed_table_structure(monkeypatch):
     (table,) = r["models"]
     assert table["tokens"] == 8 and table["skipped"] == {}
     assert table["int4_group_size"] == 32  # 32 wide: int4's default 64 does not divide it
-    assert list(table["rows"]) == ["ours fp32 eager", "ours bf16", "ours int8", "ours int4", "llama.cpp f32"]
+    assert list(table["rows"]) == ["ours fp32 eager", "ours bf16", "ours bf16, torch's matmul", "ours int8",
+                                  "ours int4", "llama.cpp f32"]
     for name, row in table["rows"].items():
         assert row["tok_s"]["min"] <= row["tok_s"]["median"] <= row["tok_s"]["max"]
         assert row["floor_ms"] == pytest.approx(row["weight_bytes"] / floors["tiny"]["read_GBps"] / 1e6)
@@ -116,7 +118,8 @@ def test_decode_speed_table_structure(monkeypatch):
     r = ds.decode_speed({"tiny": model}, 8, 1, floors, compile_note="x", llama_cpp_note="absent",
                         quantize=False)
     rows = r["models"][0]["rows"]
-    assert list(rows) == ["ours fp32 eager", "ours bf16"] and "vs_llama_cpp_f32" not in rows["ours bf16"]
+    assert list(rows) == ["ours fp32 eager", "ours bf16", "ours bf16, torch's matmul"]
+    assert "vs_llama_cpp_f32" not in rows["ours bf16"]
 
 
 def test_the_decode_speed_table_alone(tmp_path):

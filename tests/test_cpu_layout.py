@@ -131,8 +131,10 @@ def test_other_dtypes_quantized_layers_and_compiled_graphs_use_the_plain_weight(
     assert not any(type(m) is PackedLinear for m in model.modules())  # every Linear was quantized
     assert any(isinstance(m, Int8Linear) for m in model.modules())
     lin = linear(32, 16)
-    half = pack_linears(nn.Sequential(copy.deepcopy(lin).to(torch.bfloat16)), min_weights=0)
-    assert type(half[0]) is nn.Linear  # bf16: oneDNN's layout is packed for float32 only
+    half = pack_linears(nn.Sequential(copy.deepcopy(lin).to(torch.float16)), min_weights=0)
+    assert type(half[0]) is nn.Linear  # fp16: oneDNN's layout is packed for float32 only
+    bf16 = pack_linears(nn.Sequential(copy.deepcopy(lin).to(torch.bfloat16)), min_weights=0)
+    assert type(bf16[0]) is not PackedLinear  # bf16 gets our kernel (tests/test_bf16_matmul.py)
     packed = PackedLinear(lin)
     x = torch.randn(3, 16)
     compiled = torch.compile(packed, fullgraph=True)  # traces the F.linear branch
