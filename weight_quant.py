@@ -154,6 +154,9 @@ class QuantizedLinear(nn.Module):
         if self.kernel == "ours" and not quantized_matmul.fits(self.in_features):
             raise ValueError(f"our quantized kernels need a built library and an input width "
                              f"that is a multiple of {quantized_matmul.BLOCK}, not {self.in_features}")
+        # ours' instruction set, asked once here: forward() calls the operator by its name,
+        # which torch.compile traces (it cannot trace the library's loading)
+        self.isa = quantized_matmul.best_isa() if self.kernel == "ours" else None
         # what the matmul runs in: fp32 for ours, bf16 for torch's, else the model's own dtype
         self.compute_dtype = activation_dtype or {"ours": torch.float32, "torch": KERNEL_DTYPE}.get(
             self.kernel, self.dtype)
@@ -225,8 +228,7 @@ class Int8Linear(QuantizedLinear):
 
     def matmul(self, x):
         if self.kernel == "ours":
-            return quantized_matmul.kernels().int8_matmul(x, self.weight_int8, self.scale,
-                                                          quantized_matmul.best_isa())
+            return torch.ops.kvcache_gpt_quant.int8_matmul(x, self.weight_int8, self.scale, self.isa)
         if self.kernel == "torch":
             return torch._weight_int8pack_mm(x, self.weight_int8, self.scale)  # (x @ q.T) * scale
         return F.linear(x, self.weight_int8.to(x.dtype)) * self.scale  # the same, portably
@@ -279,8 +281,8 @@ class Int4Linear(QuantizedLinear):
 
     def matmul(self, x):
         if self.kernel == "ours":
-            return quantized_matmul.kernels().int4_matmul(x, self.weight_int4, self.scale, self.zero,
-                                                          self.group_size, quantized_matmul.best_isa())
+            return torch.ops.kvcache_gpt_quant.int4_matmul(x, self.weight_int4, self.scale, self.zero,
+                                                           self.group_size, self.isa)
         if self.kernel == "torch":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, self.weight_int4, self.group_size, self.scale_and_zero)  # (rows, padded out)

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from base_model import GPT
+from generation import bf16_matmul
 from llama import Llama, rope_frequencies
 from plumbing.files import read_checkpoint
 from plumbing.memory import check_fits_in_memory, model_memory
@@ -296,10 +297,13 @@ def tie_output_layer(state_dict, config):
 def auto_dtype(saved, device, quantize=None):
     """(dtype, why): the dtype a checkpoint saved as `saved` runs in on `device` under
     --dtype auto: its own, where this device computes it at least as fast as float32.
-    On a CPU, torch's bfloat16 (and float16) matrix-vector product makes a decode step
-    slower than float32's, so a half-precision checkpoint computes in float32 there: each
-    tensor is converted as it is read, one float32 copy (twice the file), the size of the
-    float32 format itself. A GPU keeps bfloat16 and float16.
+    On a CPU with native bf16 arithmetic (AVX-512 BF16, AMX) where our bf16 kernel is built
+    (bf16_matmul.computes_bf16_natively), a bf16 or fp16 checkpoint computes in bfloat16:
+    at Llama-3.2-1B's shape 3.7x fp32's decode speed and 3.6x its prefill on a Zen 4 EPYC
+    (python -m benchmarks.llama_speed, docs/benchmarks.md). Elsewhere on
+    a CPU it computes in float32: each tensor is converted as it is read, one float32 copy
+    (twice the file), the size of the float32 format itself. A GPU keeps bfloat16 and
+    float16.
     quantize ("int8", "int4"): on a CPU the quantized Linears compute in bfloat16 whatever
     the model's dtype (weight_quant.KERNEL_DTYPE), so a half-precision checkpoint stays in
     bfloat16 there: what is left in float (the embedding, the norms, an untied output layer)
@@ -311,9 +315,13 @@ def auto_dtype(saved, device, quantize=None):
     if device.type == "cpu" and quantize is not None:
         return torch.bfloat16, (f"the checkpoint is {name} and --quantize {quantize}'s kernels "
                                 "compute in bfloat16 on a CPU: what stays float stays bfloat16")
+    if device.type == "cpu" and bf16_matmul.computes_bf16_natively():
+        return torch.bfloat16, (f"the checkpoint is {name} and this CPU multiplies bfloat16 in "
+                                "hardware (AVX-512 BF16): faster than float32, half the memory")
     if device.type == "cpu":
-        return torch.float32, (f"the checkpoint is {name}, which decodes slower than float32 on a "
-                               "CPU; converted while loading: one float32 copy, twice the file")
+        return torch.float32, (f"the checkpoint is {name}, and this CPU has no bfloat16 arithmetic "
+                               "(AVX-512 BF16): float32 computes faster; converted while loading, "
+                               "one float32 copy, twice the file")
     if saved == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return torch.float32, "the checkpoint is bfloat16, which this GPU does not compute"
     return saved, "the checkpoint's own"

@@ -140,14 +140,15 @@ def test_a_column_major_weight_is_made_row_major_in_place():
 
 
 def test_a_compiled_graph_calls_the_operator():
-    x, w, bias = case(1, 64, 96)
-    _, w2, _ = case(1, 32, 64, seed=1)
-    isa = bf16_matmul.best_isa()
-
-    def twice(x):
-        return ops.bf16_matmul(ops.bf16_matmul(x, w, bias, isa).relu(), w2, None, isa)
-    compiled = torch.compile(twice, fullgraph=True)  # fullgraph: a graph break would fail here
-    torch.testing.assert_close(compiled(x), twice(x), rtol=0, atol=0)
+    """torch.compile (the serving engine's decode step) traces Bf16Linear's forward into our
+    operator, in one graph, with the eager products."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Bf16Linear(nn.Linear(96, 64).bfloat16()), nn.ReLU(),
+                          Bf16Linear(nn.Linear(64, 32, bias=False).bfloat16()))
+    x = torch.randn(1, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True)  # fullgraph: a graph break would fail here
+        torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
 
 
 CONFIG = GPTConfig(context_len=16, vocab_size=64, n_layer=1, n_head=2, n_embd=64)

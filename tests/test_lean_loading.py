@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from conftest import ROOT, TINY_CONFIGS, byte_tokenizer_spec, tiny_model
+from generation import bf16_matmul
 from hf_llama_dirs import byte_level_tokenizer, hf_classes, make_hf_llama_dir
 from kv_cache import CACHED_MODELS
 from llama import Llama, LlamaConfig
@@ -195,12 +196,18 @@ def test_bf16_hf_dir_loaded_in_bf16_is_the_file(tmp_path, name):
     assert model.inv_freq.dtype == torch.float32  # the rotary frequencies stay float32
 
 
+def without_bf16_arithmetic(monkeypatch, native=False):
+    """Run as on a CPU without (or, native=True, with) AVX-512 BF16, whichever this one is."""
+    monkeypatch.setattr(bf16_matmul, "computes_bf16_natively", lambda: native)
+
+
 @pytest.mark.parametrize("config_key", ["dtype", "torch_dtype"])
 @pytest.mark.parametrize("dtype", ["auto", torch.float32])
-def test_bf16_hf_dir_computes_in_float32_on_cpu(tmp_path, dtype, config_key):
-    """dtype auto on a CPU (bfloat16 decodes slower than float32 there) and dtype float32:
-    float32 parameters holding the file's values exactly (bf16 -> fp32 is exact); auto
-    says so in one line, float32 (the user's choice) says nothing more."""
+def test_bf16_hf_dir_computes_in_float32_on_cpu(tmp_path, monkeypatch, dtype, config_key):
+    """dtype auto on a CPU without bf16 arithmetic (float32 computes faster there) and dtype
+    float32: float32 parameters holding the file's values exactly (bf16 -> fp32 is exact);
+    auto says so in one line, float32 (the user's choice) says nothing more."""
+    without_bf16_arithmetic(monkeypatch)
     path = bf16_hf_dir(tmp_path, "llama2-mha-untied", config_key)
     saved = file_tensors(path / "model.safetensors")
     lines = []
@@ -216,8 +223,24 @@ def test_bf16_hf_dir_computes_in_float32_on_cpu(tmp_path, dtype, config_key):
         assert len(lines) == 1
 
 
-def test_checkpoint_saved_in_bf16_runs_in_float32_on_cpu(tmp_path):
-    """Our own format: a model that computed in bfloat16 records it; auto on a CPU loads float32."""
+def test_bf16_hf_dir_stays_bf16_on_a_cpu_with_bf16_arithmetic(tmp_path, monkeypatch):
+    """Where the CPU multiplies bf16 in hardware, auto keeps the file's bf16, said in one line."""
+    without_bf16_arithmetic(monkeypatch, native=True)
+    path = bf16_hf_dir(tmp_path, "llama2-mha-untied", "torch_dtype")
+    saved = file_tensors(path / "model.safetensors")
+    lines = []
+    model, _ = load_hf_model(NAIVE_MODELS, path, dtype="auto", report=lines.append)
+    params = dict(model.named_parameters())
+    assert {p.dtype for p in params.values()} == {torch.bfloat16}
+    for key, tensor in saved.items():
+        assert torch.equal(params[key], tensor), key
+    assert lines[1].startswith("dtype bfloat16 (") and "AVX-512 BF16" in lines[1]
+
+
+def test_checkpoint_saved_in_bf16_runs_in_float32_on_cpu(tmp_path, monkeypatch):
+    """Our own format: a model that computed in bfloat16 records it; auto on a CPU without bf16
+    arithmetic loads float32."""
+    without_bf16_arithmetic(monkeypatch)
     path = tmp_path / "bf16.pt"
     save_checkpoint(path, tiny_model(TINY_CONFIGS[0]).to(torch.bfloat16), byte_tokenizer_spec())
     assert torch.load(path, weights_only=True)["dtype"] == "bfloat16"
@@ -284,8 +307,10 @@ CPU, CUDA, MPS = torch.device("cpu"), torch.device("cuda"), torch.device("mps")
 
 @pytest.mark.parametrize("saved, device, bf16_supported, chosen", [
     (torch.float32, CPU, None, torch.float32),
-    (torch.bfloat16, CPU, None, torch.float32),     # bf16 decodes slower than fp32 on a CPU
-    (torch.float16, CPU, None, torch.float32),
+    (torch.bfloat16, CPU, False, torch.float32),    # no bf16 arithmetic: fp32 computes faster
+    (torch.float16, CPU, False, torch.float32),
+    (torch.bfloat16, CPU, True, torch.bfloat16),    # AVX-512 BF16: bf16 is the faster one
+    (torch.float16, CPU, True, torch.bfloat16),     # fp16 has no such kernel: bf16 instead
     (torch.float32, CUDA, True, torch.float32),
     (torch.bfloat16, CUDA, True, torch.bfloat16),   # a GPU keeps half precision
     (torch.bfloat16, CUDA, False, torch.float32),   # unless it has no bf16
@@ -294,10 +319,11 @@ CPU, CUDA, MPS = torch.device("cpu"), torch.device("cuda"), torch.device("mps")
     (torch.float16, MPS, None, torch.float16),
 ])
 def test_auto_dtype_table(monkeypatch, saved, device, bf16_supported, chosen):
-    """auto_dtype is a pure function of (saved dtype, device) and, for cuda, of whether the
-    GPU computes bf16 (faked here, so the cuda rows run on a CPU machine too)."""
+    """auto_dtype is a pure function of (saved dtype, device) and of whether the device
+    computes bf16 (faked here, so every row runs on any machine)."""
     if bf16_supported is not None:
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_supported)
+        without_bf16_arithmetic(monkeypatch, native=bf16_supported)
     dtype, why = auto_dtype(saved, device)
     assert dtype == chosen
     assert isinstance(why, str) and why
@@ -323,7 +349,8 @@ def test_auto_dtype_with_quantize(saved, device, chosen):
     (torch.float16, torch.bfloat16, torch.float16, False),
     (torch.float32, torch.bfloat16, torch.float32, False),
 ])
-def test_resolve_dtype_on_cpu(requested, saved, chosen, says):
+def test_resolve_dtype_on_cpu(monkeypatch, requested, saved, chosen, says):
+    without_bf16_arithmetic(monkeypatch)  # (the rows with it: test_auto_dtype_table)
     dtype, line = resolve_dtype(requested, saved, "cpu")
     assert dtype == chosen
     assert (line is not None) == says

@@ -125,8 +125,8 @@ def test_benchmark_decode_speed(bundled):
     floors = {"bundled": bandwidth_floor(ours, reps=1)}
     r = decode_speed({"bundled": ours}, 40, 1, floors, compile_note="skipped", quantize=False)
     rows = r["models"][0]["rows"]
-    assert list(rows) == ["ours fp32 eager", "ours bf16", "llama.cpp f32", "llama.cpp f16",
-                          "llama.cpp q8_0", "llama.cpp q4_0"]
+    assert list(rows) == ["ours fp32 eager", "ours bf16", "ours bf16, torch's matmul", "llama.cpp f32",
+                          "llama.cpp f16", "llama.cpp q8_0", "llama.cpp q4_0"]
     assert rows["llama.cpp f32"]["greedy_leading_same"] == r["models"][0]["tokens"] == 40
     # the same weights, so the same bytes per step in f32; f16 half of them
     assert rows["llama.cpp f32"]["weight_bytes"] == rows["ours fp32 eager"]["weight_bytes"]

@@ -13,7 +13,7 @@ import torch
 
 from generation import quantized_matmul
 from test_weight_quant import int8_activations_bound
-from weight_quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from weight_quant import Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 ops = quantized_matmul.kernels()
 pytestmark = pytest.mark.skipif(ops is None, reason="our quantized kernels could not be built here")
@@ -105,3 +105,17 @@ def test_a_compiled_graph_calls_the_operators():
         return ops.int8_matmul(x, q, scale, isa).relu() + ops.int4_matmul(x, packed, s4, z4, 32, isa)
     compiled = torch.compile(both, fullgraph=True)  # fullgraph: a graph break would fail here
     torch.testing.assert_close(compiled(x), both(x), rtol=0, atol=0)
+
+
+def test_a_compiled_graph_traces_the_quantized_linears():
+    """torch.compile (the serving engine's decode step) traces Int8Linear's and Int4Linear's
+    forward into our operators, in one graph (it cannot trace the library's loading: the
+    Linears call the operators by name), with the eager products."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Int8Linear(torch.nn.Linear(96, 64)), torch.nn.ReLU(),
+                                Int4Linear(torch.nn.Linear(64, 32), 32))
+    assert model[0].kernel == model[2].kernel == "ours"
+    x = torch.randn(1, 96)
+    with torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True)
+        torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
