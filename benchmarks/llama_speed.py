@@ -86,6 +86,12 @@ def llama_speed(shape, n, reps, device, prefill_lengths=PREFILL_LENGTHS, forms=t
     result["pairs"] = result["models"][0]["pairs"]
     floor = result["models"][0]["read_GBps"]
     result["prefill"] = prefill_section(model, label, n, reps, prefill_lengths, forms, floor)
+    rows = result["models"][0]["rows"]
+    decode = {}  # llama-bench's format: ours' decode in it (bf16 before bf16-torch for f16)
+    for form in forms:
+        if FORMS[form] in rows:
+            decode.setdefault(f"llama.cpp {BENCH_OUTTYPES[form]}", rows[FORMS[form]]["decode_tok_s"])
+    result["prefill"]["ours_decode"] = decode
     return result
 
 

@@ -213,8 +213,11 @@ def print_prefill(p):
             print(f"| {form} | {T} | {fmt_spread(row['tok_s'][T])} | {row['GFLOPs'][T]:.1f} | "
                   f"{row['GFLOPs'][T] / peak:.2f} | {p['pairs'][form]} | {pp or 0:.1f} | {versus} |")
     if p["llama_bench"]:
-        print("| llama-bench | tg tok/s | MB read per token | floor ms | x floor |")
-        print("|---|---|---|---|---|")
+        print("| llama-bench | tg tok/s | MB read per token | floor ms | x floor | ours' decode tok/s "
+              "(after the prefill), same format | ours / llama-bench tg |")
+        print("|---|---|---|---|---|---|---|")
         for name, row in p["llama_bench"].items():
+            ours = p.get("ours_decode", {}).get(name)
+            versus = f"{fmt_spread(ours)} | {ours['median'] / row['tg']:.2f}x" if ours else "- | -"
             print(f"| {name} | {row['tg']:.1f} | {row['weight_bytes'] / 1e6:.1f} | {row['floor_ms']:.2f} | "
-                  f"{1e3 / row['tg'] / row['floor_ms']:.1f}x |")
+                  f"{1e3 / row['tg'] / row['floor_ms']:.1f}x | {versus} |")

@@ -64,6 +64,28 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* xq, floa
   });
 }
 
+// The offsets' sums for int4, per group g of each row of x (the formula at the top):
+// sums = sum_{k in g} x[k] in fp32, rounded = sum_{b in g} d[b] * sum_{k in b} xq[k]. A plain
+// loop: a few microseconds at batch 1, where the same in torch ops (six of them, each
+// allocating) cost ~20 us a call, 113 calls a token at the 1B shape.
+void sum_groups(const float* x, const int8_t* xq, const float* d, int64_t row_groups, int64_t group_size,
+                float* sums, float* rounded) {
+  const int64_t blocks = group_size / BLOCK;  // per group
+  for (int64_t g = 0; g < row_groups; ++g) {  // every group of every row: (M, groups) in order
+    float exact = 0.f, approx = 0.f;
+    for (int64_t b = g * blocks; b < (g + 1) * blocks; ++b) {
+      int32_t levels = 0;
+      for (int64_t i = b * BLOCK; i < (b + 1) * BLOCK; ++i) {
+        exact += x[i];
+        levels += xq[i];
+      }
+      approx += d[b] * (float)levels;
+    }
+    sums[g] = exact;
+    rounded[g] = approx;
+  }
+}
+
 // ------------------------------------------------------------------ portable: any CPU
 
 float int8_row_portable(const int8_t* w, const int8_t* xq, const float* d, int64_t K) {
@@ -159,25 +181,73 @@ AVX512 float int8_row_avx512(const int8_t* w, const int8_t* xq, const float* d, 
   return sum;
 }
 
-AVX512 float int4_row_avx512(const uint8_t* w, const at::BFloat16* s, const int8_t* xq, const float* d,
-                             int64_t K, int group_shift) {
-  const __m256i low4 = _mm256_set1_epi8(15);
+// int4 with AVX-512 a tile at a time: TILE weight rows against one row of x. At batch 1 a
+// kernel of one row at a time (as the AVX2 one) spent as long on its overheads as on the
+// weights: per row, a horizontal sum, the scales broadcast one by one, and the scalar loop
+// over the groups' offsets (the formula's last two lines, ~40% of the instructions at
+// K = 2048). Here each load of x and of its block scales serves TILE rows, the TILE sums
+// are independent (the CPU overlaps them), and the offsets are summed 16 groups a step.
+constexpr int TILE = 4;
+
+// 16 bf16 numbers to fp32: a bf16 is the top half of an fp32 one
+AVX512 __m512 bf16x16_to_fp32(const at::BFloat16* v) {
+  __m256i halves = _mm256_loadu_si256((const __m256i*)v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+// sum_g z[g] * sums[g] - 8 * s[g] * rounded[g] over one weight row's groups
+AVX512 float int4_offsets_avx512(const at::BFloat16* s, const at::BFloat16* z, const float* sums,
+                                 const float* rounded, int64_t groups) {
   __m512 acc = _mm512_setzero_ps();
-  int64_t b = 0;
-  for (; b + 2 <= K / BLOCK; b += 2) {
-    __m256i packed = _mm256_loadu_si256((const __m256i*)(w + b * BLOCK / 2));  // two blocks
-    __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-    // 128-bit lanes (lo b, lo b+1, hi b, hi b+1) reordered to (lo b, hi b, lo b+1, hi b+1)
-    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    __m512i levels = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
-    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), levels, _mm512_loadu_si512(xq + b * BLOCK));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                          two_scales(s[b >> group_shift] * d[b], (float)s[(b + 1) >> group_shift] * d[b + 1]), acc);
+  int64_t g = 0;
+  for (; g + 16 <= groups; g += 16) {
+    acc = _mm512_fmadd_ps(bf16x16_to_fp32(z + g), _mm512_loadu_ps(sums + g), acc);
+    acc = _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_set1_ps(8.f), bf16x16_to_fp32(s + g)),
+                           _mm512_loadu_ps(rounded + g), acc);
   }
   float sum = _mm512_reduce_add_ps(acc);
-  if (b < K / BLOCK)  // an odd block: the portable loop over it alone, with its group's scale
-    sum += int4_row_portable(w + b * BLOCK / 2, s + (b >> group_shift), xq + b * BLOCK, d + b, BLOCK, 0);
+  for (; g < groups; ++g) sum += z[g] * sums[g] - 8.f * s[g] * rounded[g];  // the last few
   return sum;
+}
+
+// y[r] = weight row r (of R, R <= TILE) times x's row, for r < R; the rows lie w_stride bytes
+// (and `groups` scales) apart
+template <int R>
+AVX512 void int4_tile_avx512(const uint8_t* w, int64_t w_stride, const at::BFloat16* s,
+                             const at::BFloat16* z, int64_t groups, const int8_t* xq, const float* d,
+                             const float* sums, const float* rounded, int64_t K, int group_shift, float* y) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= K / BLOCK; b += 2) {
+    // two blocks a step: 32 bytes of each weight row are 64 levels
+    const __m512i x = _mm512_loadu_si512(xq + b * BLOCK);  // shared by the R rows
+    const __m512 dx = two_scales(d[b], d[b + 1]);
+    const int64_t g0 = b >> group_shift, g1 = (b + 1) >> group_shift;
+    for (int r = 0; r < R; ++r) {
+      // the next tile's row at the same place, fetched ahead: R rows read side by side are R
+      // streams in one page, which the CPU's own prefetcher follows less well than one
+      _mm_prefetch((const char*)(w + (r + R) * w_stride + b * BLOCK / 2), _MM_HINT_T0);
+      __m256i packed = _mm256_loadu_si256((const __m256i*)(w + r * w_stride + b * BLOCK / 2));
+      __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+      __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      // 128-bit lanes (lo b, lo b+1, hi b, hi b+1) reordered to (lo b, hi b, lo b+1, hi b+1)
+      __m512i levels = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+      __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), levels, x);
+      const at::BFloat16* row_s = s + r * groups;
+      __m512 sw = g0 == g1 ? _mm512_set1_ps(row_s[g0]) : two_scales(row_s[g0], row_s[g1]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dx, sw), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const at::BFloat16 *row_s = s + r * groups, *row_z = z + r * groups;
+    float sum = _mm512_reduce_add_ps(acc[r]) + int4_offsets_avx512(row_s, row_z, sums, rounded, groups);
+    if (b < K / BLOCK)  // an odd block: the portable loop over it alone, with its group's scale
+      sum += int4_row_portable(w + r * w_stride + b * BLOCK / 2, row_s + (b >> group_shift), xq + b * BLOCK,
+                               d + b, BLOCK, 0);
+    y[r] = sum;
+  }
 }
 
 // ------------------------------------------------------------------ picking and checking
@@ -248,13 +318,12 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
   auto d = at::empty({M, K / BLOCK}, x.options());
   const float* x_data = x.data_ptr<float>();
   quantize_activations(x_data, M, K, xq.data_ptr<int8_t>(), d.data_ptr<float>());
-  auto group_sums = x.view({M, groups, group_size}).sum(2).contiguous();  // (M, groups), exact
-  // sum_{b in g} d[m, b] * sum_{k in b} xq[m, k]: the rounded x's sums, (M, groups)
-  auto rounded_sums = (xq.view({M, K / BLOCK, BLOCK}).sum(2).to(at::kFloat).mul(d))
-                          .view({M, groups, group_size / BLOCK}).sum(2).contiguous();
+  auto group_sums = at::empty({M, groups}, x.options()), rounded_sums = at::empty({M, groups}, x.options());
+  sum_groups(x_data, xq.data_ptr<int8_t>(), d.data_ptr<float>(), M * groups, group_size,
+             group_sums.data_ptr<float>(), rounded_sums.data_ptr<float>());
   // block b's group is b >> group_shift (a shift, not a division, in the innermost loop)
   const int group_shift = __builtin_ctzll(group_size / BLOCK);
-  auto row = isa == "avx512vnni" ? int4_row_avx512 : isa == "avx2" ? int4_row_avx2 : int4_row_portable;
+  auto row = isa == "avx2" ? int4_row_avx2 : int4_row_portable;
   auto y = at::empty({M, N}, x.options());
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int8_t* xq_data = xq.data_ptr<int8_t>();
@@ -262,6 +331,20 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
   const at::BFloat16 *s = scale.data_ptr<at::BFloat16>(), *z = zero.data_ptr<at::BFloat16>();
   const float *sums = group_sums.data_ptr<float>(), *rounded = rounded_sums.data_ptr<float>();
   float* y_data = y.data_ptr<float>();
+  if (isa == "avx512vnni") {
+    // tiles of TILE weight rows, each against every row of x while it is in the L1 cache
+    at::parallel_for(0, N, 16, [&](int64_t first, int64_t end) {
+      for (int64_t n = first; n < end; n += TILE)
+        for (int64_t m = 0; m < M; ++m) {
+          auto tile = end - n >= TILE ? int4_tile_avx512<TILE> : end - n == 3 ? int4_tile_avx512<3>
+                    : end - n == 2 ? int4_tile_avx512<2> : int4_tile_avx512<1>;
+          tile(w + n * K / 2, K / 2, s + n * groups, z + n * groups, groups, xq_data + m * K,
+               d_data + m * (K / BLOCK), sums + m * groups, rounded + m * groups, K, group_shift,
+               y_data + m * N + n);
+        }
+    });
+    return y;
+  }
   at::parallel_for(0, N, 16, [&](int64_t first, int64_t end) {
     for (int64_t n = first; n < end; ++n)
       for (int64_t m = 0; m < M; ++m) {
