@@ -14,8 +14,8 @@ model's real shape (the 1B one's context cut to 2048 positions as in llama_speed
 tokenizer is a placeholder of 256 bytes and an end-of-text token (peers.placeholder_tokenizer): both sides are
 prompted with "ROMEO:", a handful of tokens, and make one greedy token.
 
-The rows (ours / llama.cpp): fp32 (our default on a CPU for a bf16 checkpoint: --dtype auto)
-/ f32, bf16 (--dtype bfloat16) / bf16, int8 (--quantize int8) / q8_0, int4 (--quantize int4)
+The rows (ours / llama.cpp): fp32 (--dtype float32) / f32, bf16 (--dtype bfloat16; what
+--dtype auto picks for a bf16 checkpoint on a CPU with AVX-512 BF16, fp32 on one without) / bf16, int8 (--quantize int8) / q8_0, int4 (--quantize int4)
 / q4_0. llama.cpp's files are made from the same weights by export_gguf.write_gguf (this
 project's writer; llama.cpp's converter needs the model's real tokenizer). The figures:
   - peak: the most resident memory the process held, file pages it mapped included (both
@@ -69,7 +69,7 @@ SHAPES = {
     "tiny": LLAMA_SPEED_SHAPES["tiny"],  # seconds: a check of the benchmark itself
 }
 # format: (our flags, the weights' format for memory.weight_bytes, llama.cpp's GGUF type)
-FORMATS = {"fp32": ([], "float32", "f32"), "bf16": (["--dtype", "bfloat16"], "bfloat16", "bf16"),
+FORMATS = {"fp32": (["--dtype", "float32"], "float32", "f32"), "bf16": (["--dtype", "bfloat16"], "bfloat16", "bf16"),
            "int8": (["--quantize", "int8"], "int8", "q8_0"), "int4": (["--quantize", "int4"], "int4", "q4_0")}
 PROMPT = "ROMEO:"
 DEFAULT_CACHE = Path.home() / ".cache" / "kvcache-gpt" / "real-size"

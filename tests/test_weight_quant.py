@@ -34,7 +34,7 @@ from plumbing.checkpoint import BUNDLED, load_model, save_checkpoint
 from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
 from plumbing.scoring import score
 from kv_cache import CACHED_MODELS
-from generation import quantized_matmul
+from generation import bf16_matmul, quantized_matmul
 from weight_quant import (CHUNK_ROWS, FLOAT_MATMUL_ROWS, Int4Linear, Int8Linear, QuantizedLinear,
                           dequantize_int4, dequantize_int8, int4_group_size, quantize_int4, quantize_int8,
                           quantize_model)
@@ -157,14 +157,33 @@ def test_quantized_linear_matches_its_dequantized_weight(scheme, kernel, out_fea
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_many_rows_go_through_a_float_matmul_of_the_dequantized_weight(scheme):
-    # a prompt's rows (FLOAT_MATMUL_ROWS or more): fp32 throughout, so x @ W.T up to the order
-    # of sums; 1100 outputs: two chunks of CHUNK_ROWS dequantized in turn
+    # a prompt's rows (FLOAT_MATMUL_ROWS or more), in fp32 (a CPU without bf16 arithmetic):
+    # fp32 throughout, so x @ W.T up to the order of sums; 1100 outputs: two chunks of
+    # CHUNK_ROWS dequantized in turn
     lin = linear(CHUNK_ROWS + 76, 64)
     q = quantized(lin, scheme, "ours")
+    q.prompt_dtype = torch.float32
     x = torch.randn(FLOAT_MATMUL_ROWS, 64)
     torch.testing.assert_close(q(x), F.linear(x, q.dequantized_weight(), lin.bias), rtol=1e-5, atol=1e-5)
     few = q(x[:FLOAT_MATMUL_ROWS - 1])  # one row fewer: our kernel, its int8 activations' rounding
     assert not torch.allclose(few, q(x)[:FLOAT_MATMUL_ROWS - 1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_cpu_with_bf16_arithmetic_multiplies_a_prompt_in_bf16(scheme, monkeypatch):
+    """Where the CPU multiplies bf16 in hardware, a prompt's rows go through the bf16 product
+    of x and the dequantized weight, each rounded to bf16 first: against that same product in
+    float64, within the product's rounding to bf16 (2^-8 of it, before the bias is added in
+    fp32) and fp32 sums (1e-5)."""
+    monkeypatch.setattr(bf16_matmul, "computes_bf16_natively", lambda: True)
+    lin = linear(CHUNK_ROWS + 76, 64)
+    q = quantized(lin, scheme, "ours")
+    assert q.prompt_dtype == torch.bfloat16
+    x = torch.randn(FLOAT_MATMUL_ROWS, 64)
+    product = F.linear(x.bfloat16().double(), q.dequantized_weight().bfloat16().double())
+    y = q(x)
+    assert y.dtype == torch.float32
+    assert ((y.double() - product - lin.bias.double()).abs() <= 2**-8 * product.abs() + 1e-5).all()
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
