@@ -8,8 +8,8 @@ it is bound by arithmetic, not by the bytes of the weights: each prompt token co
 tokens before it (the output layer runs on the last position only). The ceiling is the
 CPU's own matrix-product speed in the form's dtype, measured here on the model's largest
 prefill product (T x width) @ (width x SwiGLU width). The quantized forms dequantize each
-weight for a prompt and multiply in fp32 (weight_quant.FLOAT_MATMUL_ROWS), so fp32's
-ceiling is theirs.
+weight for a prompt (weight_quant.FLOAT_MATMUL_ROWS) and multiply in bf16 where the CPU
+has bf16 arithmetic, else in fp32: that dtype's ceiling is theirs.
 """
 
 import time
@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from benchmarks.decode_speed import OURS, ours_variant
 from benchmarks.timing import spread
+from weight_quant import QuantizedLinear
 
 FORMS = {"fp32": "ours fp32 eager", "bf16": "ours bf16", "bf16-torch": "ours bf16, torch's matmul",
          "int8": "ours int8", "int4": "ours int4"}
@@ -66,7 +67,11 @@ def prefill_rows(fp32_model, forms, lengths, reps, group_size=None):
         model = ours_variant(fp32_model, dtype, scheme, group_size, False, kernels)
         prefill_seconds(model, prompts[lengths[0]][:, :WARM_UP_TOKENS])
         rates = {T: [T / prefill_seconds(model, prompts[T]) for _ in range(reps)] for T in lengths}
-        rows[form] = {"tok_s": {T: spread(r) for T, r in rates.items()},
+        # the dtype its prompt's products run in: a quantized model's in bf16 where the CPU
+        # has bf16 arithmetic (weight_quant.QuantizedLinear.prompt_dtype), else in fp32
+        multiplies_in = next((m.prompt_dtype for m in model.modules() if isinstance(m, QuantizedLinear)), dtype)
+        rows[form] = {"multiplies_in": str(multiplies_in).removeprefix("torch."),
+                      "tok_s": {T: spread(r) for T, r in rates.items()},
                       "GFLOPs": {T: spread(r)["median"] * flops_per_prompt_token(fp32_model, T) / 1e9
                                  for T, r in rates.items()}}
         del model

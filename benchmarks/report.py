@@ -197,8 +197,9 @@ def print_prefill(p):
     """benchmarks/llama_speed.py's prefill table, and llama-bench's decode beside ours'."""
     peaks = p["peak_GFLOPs"]
     print(f"\n## Prefill: prompt tokens/s of one pass, ours beside llama-bench -p; roofline: "
-          f"torch's matmul here {peaks['fp32']:.0f} GFLOP/s in fp32, {peaks['bf16']:.0f} in bf16 "
-          "(the quantized forms multiply in fp32 at this size)")
+          f"torch's matmul here {peaks['fp32']:.0f} GFLOP/s in fp32, {peaks['bf16']:.0f} in bf16; "
+          "each row against the peak of the dtype its products run in (the quantized forms: bf16 "
+          "where the CPU has bf16 arithmetic, else fp32)")
     if p["llama_bench_note"]:
         print(p["llama_bench_note"])
     print("| ours | prompt tokens | tok/s | GFLOP/s | x of its peak | llama-bench | its pp tok/s "
@@ -207,7 +208,7 @@ def print_prefill(p):
     for form, row in p["ours"].items():
         theirs = p["llama_bench"].get(f"llama.cpp {p['pairs'][form]}", {}).get("pp", {})
         for T in p["lengths"]:
-            peak = peaks["bf16" if form.startswith("bf16") else "fp32"]
+            peak = peaks["bf16" if row["multiplies_in"] == "bfloat16" else "fp32"]
             pp = theirs.get(T)
             versus = f"{row['tok_s'][T]['median'] / pp:.2f}x" if pp else "-"
             print(f"| {form} | {T} | {fmt_spread(row['tok_s'][T])} | {row['GFLOPs'][T]:.1f} | "
