@@ -112,7 +112,7 @@ def test_a_prompt_preempted_halfway_is_fed_again_and_gives_the_same_tokens(model
         assert_pool_is_whole(engine)
         return [r.tokens for r in streams + [long]]
     assert serve(engine_of(model, 8, num_blocks=9)) == serve(engine_of(model, 0, num_blocks=9))
-    assert True in preempted_halfway
+    assert any(preempted_halfway)  # at least one preemption hit a prompt between its chunks
 
 
 def test_seeds_and_scored_prompts_are_unchanged_by_chunks(model):
