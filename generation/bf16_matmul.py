@@ -1,7 +1,7 @@
 """
 A bf16 model's decode-step matrix products on the CPU (bf16_matmul.cpp), and the Linear
 that calls them: Bf16Linear, which every command's model gets for its bf16 Linears
-(use_bf16_kernel, called where the CPU layout of the weights is chosen:
+(cpu_layout.pack_linears, called where the CPU layout of the weights is chosen:
 plumbing/cli.prepare_for_generation).
 
 Why our own: a decode step multiplies each weight by one row, so its floor is the weight's
