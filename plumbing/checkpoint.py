@@ -299,8 +299,8 @@ def auto_dtype(saved, device, quantize=None):
     --dtype auto: its own, where this device computes it at least as fast as float32.
     On a CPU with native bf16 arithmetic (AVX-512 BF16, AMX) where our bf16 kernel is built
     (bf16_matmul.computes_bf16_natively), a bf16 or fp16 checkpoint computes in bfloat16:
-    at Llama-3.2-1B's shape on a Zen 4 EPYC, 23.9 decoded tokens/s against float32's 10.3
-    (packed, through generate.py) and 3.8x its prefill (docs/benchmarks.md). Elsewhere on
+    at Llama-3.2-1B's shape on a Zen 4 EPYC, 15-19 decoded tokens/s through generate.py
+    against float32's 10.3, and 3.8x its prefill (docs/benchmarks.md). Elsewhere on
     a CPU it computes in float32: each tensor is converted as it is read, one float32 copy
     (twice the file), the size of the float32 format itself. A GPU keeps bfloat16 and
     float16.
