@@ -15,6 +15,7 @@ import json
 import math
 import re
 import shutil
+import time
 import urllib.request
 
 import pytest
@@ -72,6 +73,31 @@ def url(bundled):
     with BackgroundServer(engine, tokenizer, "kvcache-gpt", chat_template=template,
                           context_policy="reprefill") as api:
         yield api.removesuffix("v1")
+
+
+class PacedEngine(Engine):
+    """An engine that rests STEP_REST_S before each step: the bundled model decodes ~400
+    tokens a second, so a reply runs past its 256-token context (and its reprefill lets go
+    of the prompt's blocks) within a second, sooner than a loaded machine opens a second
+    tab; at ~20 steps a second that takes ~10 s."""
+    STEP_REST_S = 0.05
+
+    def step(self):
+        time.sleep(self.STEP_REST_S)
+        return super().step()
+
+
+@pytest.fixture(scope="module")
+def paced_url(bundled):
+    """The page of a server whose replies are paced (PacedEngine)."""
+    model, tokenizer = bundled[0].model, bundled[1]
+    engine = PacedEngine(model, tokenizer, num_blocks=256, attention="gather")
+    engine.start()
+    try:
+        with BackgroundServer(engine, tokenizer, "kvcache-gpt", context_policy="reprefill") as api:
+            yield api.removesuffix("v1")
+    finally:
+        engine.stop()
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +334,8 @@ def test_the_grid_fills_while_a_reply_streams_and_the_stop_button_frees_it(brows
     no_console_errors(browser)
 
 
-def test_a_second_tab_with_the_same_prompt_shares_its_blocks(browser, url):
+def test_a_second_tab_with_the_same_prompt_shares_its_blocks(browser, paced_url):
+    url = paced_url  # the first reply still holds its prompt's blocks when the second comes
     first_tab = browser.current_window_handle
     open_page(browser, url)
     send(browser, SPEECH, typed=False, max_tokens=FOREVER)
