@@ -334,14 +334,14 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
   if (isa == "avx512vnni") {
     // tiles of TILE weight rows, each against every row of x while it is in the L1 cache
     at::parallel_for(0, N, 16, [&](int64_t first, int64_t end) {
-      for (int64_t n = first; n < end; n += TILE)
-        for (int64_t m = 0; m < M; ++m) {
-          auto tile = end - n >= TILE ? int4_tile_avx512<TILE> : end - n == 3 ? int4_tile_avx512<3>
-                    : end - n == 2 ? int4_tile_avx512<2> : int4_tile_avx512<1>;
+      for (int64_t n = first; n < end; n += TILE) {
+        auto tile = end - n >= TILE ? int4_tile_avx512<TILE> : end - n == 3 ? int4_tile_avx512<3>
+                  : end - n == 2 ? int4_tile_avx512<2> : int4_tile_avx512<1>;  // the chunk's last rows
+        for (int64_t m = 0; m < M; ++m)
           tile(w + n * K / 2, K / 2, s + n * groups, z + n * groups, groups, xq_data + m * K,
                d_data + m * (K / BLOCK), sums + m * groups, rounded + m * groups, K, group_shift,
                y_data + m * N + n);
-        }
+      }
     });
     return y;
   }

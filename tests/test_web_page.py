@@ -87,17 +87,21 @@ class PacedEngine(Engine):
         return super().step()
 
 
-@pytest.fixture(scope="module")
-def paced_url(bundled):
-    """The page of a server whose replies are paced (PacedEngine)."""
-    model, tokenizer = bundled[0].model, bundled[1]
-    engine = PacedEngine(model, tokenizer, num_blocks=256, attention="gather")
+def page_of(engine, tokenizer):
+    """The page of a server over its own engine (started here, stopped at the end)."""
     engine.start()
     try:
         with BackgroundServer(engine, tokenizer, "kvcache-gpt", context_policy="reprefill") as api:
             yield api.removesuffix("v1")
     finally:
         engine.stop()
+
+
+@pytest.fixture(scope="module")
+def paced_url(bundled):
+    """The page of a server whose replies are paced (PacedEngine)."""
+    model, tokenizer = bundled[0].model, bundled[1]
+    yield from page_of(PacedEngine(model, tokenizer, num_blocks=256, attention="gather"), tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +109,7 @@ def small_pool_url(bundled):
     """The page of a server whose pool holds one full context, 16 blocks: three replies to
     prompts of 5 blocks do not fit for long, and the newest is preempted."""
     model, tokenizer = bundled[0].model, bundled[1]
-    engine = Engine(model, tokenizer, num_blocks=16, attention="gather")
-    engine.start()
-    try:
-        with BackgroundServer(engine, tokenizer, "kvcache-gpt", context_policy="reprefill") as api:
-            yield api.removesuffix("v1")
-    finally:
-        engine.stop()
+    yield from page_of(Engine(model, tokenizer, num_blocks=16, attention="gather"), tokenizer)
 
 
 def model_that_writes(text, vocab_size):
