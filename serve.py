@@ -22,6 +22,7 @@ docs/clients.md shows it used from lm-evaluation-harness, guidellm, the openai p
 and curl.
 """
 
+import argparse
 import os
 import signal
 import sys
@@ -76,11 +77,13 @@ def parse_args():
                    help="how decode steps run: compiled whole by torch.compile at start-up, a "
                    "paged attention kernel inside (default), or eager, with a plain-PyTorch "
                    "gather of the paged cache (starts at once)")
-    p.add_argument("--compile", action="store_true",
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="a request decoding alone goes through generate.py --compile's step "
-                   "(AOTInductor), not the paged engine: faster for one user. Built at the first start "
-                   "(seconds to minutes), loaded from the cache after; the library holds a second "
-                   "copy of the weights")
+                   "(AOTInductor), not the paged engine: faster for one user; the library holds a "
+                   "second copy of the weights. --compile builds it if it is not cached (seconds to "
+                   "minutes, once per model and machine), and compiles the batch's step with its "
+                   "weights frozen; --no-compile: neither; default: the lone step where a "
+                   "--compile start has cached its build, nothing built")
     add_compile_cache_arg(p)
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template for /v1/chat/completions (default: the --hf "
@@ -160,6 +163,7 @@ def main():
     except ImportError as e:
         raise UserError(f"serve.py needs {e.name}: pip install -r requirements.txt") from None
     from serving.engine import Engine
+    from serving.model_runner import IF_CACHED
     from serving.server import BackgroundServer
 
     model, tokenizer, _ = load_from_args(CACHED_MODELS, args)
@@ -170,7 +174,8 @@ def main():
                         tokens_per_block=args.tokens_per_block, max_batch=args.max_batch,
                         max_prefill_tokens=args.max_prefill_tokens, max_step_tokens=args.max_step_tokens,
                         attention=args.attention,
-                        limits=limits_from_args(args), compile=args.compile, kv_dtype=args.kv_dtype,
+                        limits=limits_from_args(args), kv_dtype=args.kv_dtype,
+                        compile=IF_CACHED if args.compile is None else args.compile,
                         speculate=args.speculate or 0, prompt_lookup=args.prompt_lookup or 3)
     except ValueError as e:  # before anything is allocated: a pool too small or too large, a
         # head size a quantized pool cannot pack
@@ -181,6 +186,7 @@ def main():
     print(f"KV pool: {pool.num_blocks} blocks of {pool.tokens_per_block} positions, {pool.kv_dtype}, "
           f"{pool.nbytes() / 2**20:.1f} MiB (room for {pool.full_contexts(model.config.context_len)} "
           f"full contexts of {model.config.context_len})", file=sys.stderr)
+    say_lone_step(args, engine, model)
     if args.attention == "kernel":
         print("compiling the decode step (once: up to a minute)...", file=sys.stderr, flush=True)
     engine.warm_up()
@@ -205,6 +211,19 @@ def main():
         # the server would wait for replies that no step will ever make
         engine.abort_all("the server is shutting down")
         server.close()
+
+
+def say_lone_step(args, engine, model):
+    """One line on how a request alone decodes, where the default (no --compile or
+    --no-compile) chose: the fast path is on without asking only where its build is cached."""
+    if args.compile is not None or engine.pool.kv.dtype != model.lm_head.weight.dtype:
+        return
+    if engine.runner.lone is not None:
+        line = "the compiled single-stream step, cached by an earlier --compile start (--no-compile: off)"
+    else:
+        line = ("the engine's batch step (start once with --compile to build the faster "
+                "single-stream step, once per model and machine: later starts use it)")
+    print(f"a request alone: {line}", file=sys.stderr)
 
 
 def run_until_stopped(engine):

@@ -14,7 +14,9 @@ it has AMX). It is the one step that needs the network; nothing is installed.
 A run writes the model as GGUF (export_gguf.py), starts `python serve.py` and llama-server
 (`-np` slots for as many requests as the workload sends at once, `-t` threads, as much
 context per slot as ours; ours with --compile, so that a request alone takes the compiled
-step, unless --no-compile), and then, for --rounds rounds, each server in turn gets:
+step, or as --ours says: `default`, started as the README starts it, which takes that step
+where an earlier --compile start cached its build, or `no-compile`), and then, for --rounds
+rounds, each server in turn gets:
   - the workload: --requests streaming clients at once, --prompt-len random tokens each,
     --output-len tokens generated, greedy, ignore_eos (benchmarks/load_test.py);
   - one request alone (the same prompt and length): what a single user sees.
@@ -77,9 +79,13 @@ def wait_ready(url, process, name):
     raise UserError(f"{name} was not ready within {READY_SECONDS} s")
 
 
-def start_ours(ckpt, port, slots, compile, log):
+OURS_FLAGS = {"compile": ["--compile"], "default": [], "no-compile": ["--no-compile"]}
+
+
+def start_ours(ckpt, port, slots, ours, log):
+    """serve.py, with --ours's flags (OURS_FLAGS)."""
     command = [sys.executable, str(ROOT / "serve.py"), "--ckpt", str(ckpt), "--port", str(port),
-               "--max-batch", str(slots), *(["--compile"] if compile else [])]
+               "--max-batch", str(slots), *OURS_FLAGS[ours]]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
@@ -126,8 +132,7 @@ def measure(args):
         ports = {"ours": free_port(), "llama-server": free_port()}
         with open(Path(folder) / "ours.log", "w") as ours_log, \
                 open(Path(folder) / "llama.log", "w") as llama_log:
-            servers = {"ours": start_ours(ckpt, ports["ours"], args.requests, not args.no_compile,
-                                          ours_log),
+            servers = {"ours": start_ours(ckpt, ports["ours"], args.requests, args.ours, ours_log),
                        "llama-server": start_llama_server(args.llama_server, gguf, ports["llama-server"],
                                                           args.requests, context_len, args.threads,
                                                           llama_log)}
@@ -135,12 +140,20 @@ def measure(args):
                 urls = {k: f"http://127.0.0.1:{p}/v1" for k, p in ports.items()}
                 for k in servers:
                     wait_ready(urls[k], servers[k], k)
+                say_lone_route(Path(ours_log.name))
                 return name, turns(args, urls, requests)
             finally:
                 for process in servers.values():
                     process.terminate()
                 for process in servers.values():
                     process.wait(timeout=30)
+
+
+def say_lone_route(log):
+    """serve.py's line on how a lone request decodes (its default says), passed on."""
+    for line in log.read_text().splitlines():
+        if line.startswith("a request alone:"):
+            print(f"ours: {line}", file=sys.stderr)
 
 
 def turns(args, urls, requests):
@@ -167,7 +180,7 @@ def report(name, results, args):
         a, b = spread(ours[what]), spread(theirs[what])
         rows[what] = {"ours_tok_s": a, "llama_server_tok_s": b, "ratio": a["median"] / b["median"]}
     print(f"\n{name}, {args.requests} requests x {args.prompt_len} prompt tokens x {args.output_len} "
-          f"new tokens, greedy, serve.py{'' if args.no_compile else ' --compile'}, llama-server -t "
+          f"new tokens, greedy, serve.py {' '.join(OURS_FLAGS[args.ours]) or '(no flags)'}, llama-server -t "
           f"{args.threads}; median [min-max] of {args.rounds} rounds\n")
     print("| workload | ours tok/s | llama-server tok/s | ours / llama-server |")
     print("|---|---|---|---|")
@@ -177,7 +190,7 @@ def report(name, results, args):
                  for s in (r["ours_tok_s"], r["llama_server_tok_s"])]
         print(f"| {label} | {cells[0]} | {cells[1]} | {r['ratio']:.2f}x |")
     print(f"\nerrors: ours {ours['errors']}, llama-server {theirs['errors']}")
-    return {"model": name, "compile": not args.no_compile, "requests": args.requests, "prompt_len": args.prompt_len,
+    return {"model": name, "ours": args.ours, "requests": args.requests, "prompt_len": args.prompt_len,
             "output_len": args.output_len, "threads": args.threads, "rounds": args.rounds,
             "torch": torch.__version__, "llama_cpp_python": pinned_version(), **rows,
             "errors": {"ours": ours["errors"], "llama_server": theirs["errors"]}}
@@ -202,8 +215,10 @@ def main():
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a server may stay silent before a request fails (default: 120)")
     p.add_argument("--seed", type=int, default=0, help="the prompts' seed (default: 0)")
-    p.add_argument("--no-compile", action="store_true",
-                   help="start serve.py without --compile: a lone request through the paged engine")
+    p.add_argument("--ours", choices=list(OURS_FLAGS), default="compile",
+                   help="how serve.py starts: --compile (default), with no flags (a lone request "
+                   "takes the compiled step where its build is cached), or --no-compile (a lone "
+                   "request through the paged engine)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args()
     if args.build:

@@ -166,7 +166,11 @@ BUILD_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                  "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 
 
-def build_program(program, example_inputs, dynamic_shapes=None):
+class NotCached(LookupError):
+    """A step asked for only if its build is in the cache (build_missing=False), and it is not."""
+
+
+def build_program(program, example_inputs, dynamic_shapes=None, build_missing=True):
     """program ahead of time: exported into one graph, which AOTInductor turns into a C++
     shared library (inductor's generated kernels and the C++ that calls them in turn); a
     function that runs it on a list of input tensors and returns the list of outputs.
@@ -176,7 +180,10 @@ def build_program(program, example_inputs, dynamic_shapes=None):
     The library keeps its own copy of the weights (quantized ones repacked for their
     kernels): the model's memory once more while it lives. Its package is kept in the
     user's cache (step_cache.py), keyed by the weights, the shapes, the settings and the
-    machine: the next start with the same model loads it instead of building it."""
+    machine: the next start with the same model loads it instead of building it.
+    build_missing=False: raises NotCached where it would have to be built."""
+    if not build_missing and not step_cache.holds_entries():
+        raise NotCached
     def build(path):  # the package, written at path
         exported = export_program(program, example_inputs, dynamic_shapes)
         with warnings.catch_warnings():
@@ -189,7 +196,10 @@ def build_program(program, example_inputs, dynamic_shapes=None):
                                                      inductor_configs=dict(BUILD_OPTIONS))
 
     key = step_cache.step_key(program, example_inputs, dynamic_shapes, BUILD_OPTIONS)
-    return step_cache.load_or_build(key, build, load_library)
+    library = step_cache.load_or_build(key, build, load_library, build_missing)
+    if library is None:
+        raise NotCached
+    return library
 
 
 def load_library(path):
@@ -206,7 +216,7 @@ class CompiledStep:
     same shapes and settings."""
 
     def __init__(self, model, kv, tokens_per_step, sampling, vocab_limit, greedy_too=False,
-                 max_columns=None):
+                 max_columns=None, build_missing=True):
         batch_size, device = kv.size(2), kv.device
         vocab = vocab_limit or model.config.vocab_size
         # inputs of the graph, allocated once and refilled in place every step
@@ -222,7 +232,7 @@ class CompiledStep:
         # max_columns; from 2, as torch.export treats sizes 0 and 1 as constants of their own
         dynamic_columns = (None, {4: torch.export.Dim("columns", min=2, max=max_columns)}, None, None, None)
         self.run = build_program(program, (tokens, kv, self.length, self.no_pad, self.noise),
-                                 dynamic_columns if max_columns else None)
+                                 dynamic_columns if max_columns else None, build_missing)
 
     def decode(self, tokens, cache):
         """Feed tokens (B, T) at the cache's next columns: each row's next token (B,), or
@@ -240,7 +250,7 @@ class CompiledStep:
 
 
 def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None, greedy_too=False,
-                max_columns=None):
+                max_columns=None, build_missing=True):
     """The CompiledStep for this cache's shapes, tokens_per_step tokens per row and these
     sampling settings (sample.py's temperature, top_k, top_p, min_p and generator; None: the step
     returns logits, and with greedy_too each row's greedy token among the first vocab_limit
@@ -250,7 +260,9 @@ def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None
     cache: a kv_cache.KVCache in the model's dtype. With max_columns the step takes a cache
     of any number of columns up to that, not only this one's: attention reads every column
     of the buffer, so a cache that grows with the sequence (the loop's, the serving
-    engine's lone step's) reads fewer bytes per step while it is short."""
+    engine's lone step's) reads fewer bytes per step while it is short.
+    build_missing=False: raises NotCached unless the step's build is in the cache
+    (step_cache.py), so that a caller may take the fast path only where it costs no build."""
     if getattr(cache, "kv_dtype", None) != dtype_name(model.lm_head.weight.dtype):
         # the step writes raw keys and values of the model's dtype into the buffer
         raise ValueError("the compiled decode step needs the preallocated cache in the "
@@ -276,7 +288,7 @@ def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None
     if built is None or built[0] != key:
         model._compiled_step = None  # free the old one's weights before building
         model._compiled_step = key, CompiledStep(model, cache.kv, tokens_per_step, settings,
-                                                 vocab_limit, greedy_too, max_columns)
+                                                 vocab_limit, greedy_too, max_columns, build_missing)
     step = model._compiled_step[1]
     step.generator = generator
     return step, time.perf_counter() - t0

@@ -128,12 +128,15 @@ def cache_folder():
     return Path(base) / "kvcache-gpt" / "compiled-steps"
 
 
-def load_or_build(key, build, load):
+def load_or_build(key, build, load, build_missing=True):
     """The library for key (step_key's fields): loaded from the cache when an intact entry
     is there, else built and kept. build(path) writes a package at path; load(path)
-    makes it the library. Says on stderr what it does: a build takes a while."""
+    makes it the library. Says on stderr what it does: a build takes a while.
+    build_missing=False: None where no intact entry is found (nothing is built)."""
     start = time.perf_counter()
     folder = usable_folder()
+    if folder is None and not build_missing:
+        return None
     if folder is None:
         with tempfile.TemporaryDirectory(prefix="kvcache-step-") as scratch:
             say("building the compiled step (not cached)...")
@@ -144,11 +147,20 @@ def load_or_build(key, build, load):
         if library is not None:
             say(f"compiled step loaded from the cache ({time.perf_counter() - start:.1f} s)")
             return library
+        if not build_missing:
+            return None
         say(f"building the compiled step (once per model and machine; cached in {folder})...")
         library = load(store_entry(folder, digest, key, build))
         evict(folder, MAX_BYTES, keep=digest)
     say(f"compiled step built in {time.perf_counter() - start:.0f} s")
     return library
+
+
+def holds_entries():
+    """Whether the cache folder holds any entry at all: a cheap look before computing a
+    key (its weights' hash reads every weight: seconds for a 1B model) only to find none."""
+    folder = cache_folder()
+    return folder is not None and folder.is_dir() and any(folder.glob("*.json"))
 
 
 def usable_folder():

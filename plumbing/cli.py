@@ -184,17 +184,17 @@ def quantize_error(error, args):
 
 def add_compile_cache_arg(parser):
     """--no-compile-cache, beside a script's --compile (generation/step_cache.py)."""
-    parser.add_argument("--no-compile-cache", action="store_true", help="with --compile: build "
-                        "the compiled step afresh and keep nothing (default: it is kept in "
+    parser.add_argument("--no-compile-cache", action="store_true", help="build every "
+                        "compiled step afresh (--compile) and keep or load none (default: it is kept in "
                         "~/.cache/kvcache-gpt/compiled-steps, or $KVCACHE_GPT_CACHE_DIR, and "
                         "loaded by the next start with the same model on this machine)")
 
 
 def use_compile_cache_arg(parser, args):
-    """--no-compile-cache needs --compile (one line, exit 2). Given, it sets the variable
-    the library reads, so every step this process builds (a draft's, a server's) is built
-    afresh."""
-    if args.no_compile_cache and not args.compile:
+    """--no-compile-cache needs --compile (one line, exit 2), or a script whose default
+    (args.compile None) loads cached steps. Given, it sets the variable the library reads,
+    so every step this process builds (a draft's, a server's) is built afresh."""
+    if args.no_compile_cache and args.compile is False:
         parser.error("--no-compile-cache applies to --compile; add it, or drop --no-compile-cache")
     if args.no_compile_cache:
         os.environ[OFF_VARIABLE] = "1"

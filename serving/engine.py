@@ -59,6 +59,8 @@ class Engine:
         batch is compiled with the weights frozen into it and its matmuls tuned
         (paged_attention.py), and short prefills go through it too, each token a row.
         Both hold the weights as they were: change none while the engine serves.
+        model_runner.IF_CACHED (serve.py's default): the lone request's compiled step only,
+        where its build is in the cache (a start with compile made it); no build here.
         kv_dtype: how the pool stores keys and values (kv_quant.KV_DTYPES; default: the
         model's dtype): "int8" or "int4" hold several times the blocks in the same bytes.
         speculate, prompt_lookup: the speculative decoding of a request whose SamplingParams

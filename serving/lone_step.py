@@ -47,14 +47,16 @@ class LoneStep:
     """The compiled decode step of one sequence over the engine's pool (the compiled
     library holds its own copy of the weights: the model's memory once more)."""
 
-    def __init__(self, model, pool, vocab_limit=None):
+    def __init__(self, model, pool, vocab_limit=None, build_missing=True):
         """vocab_limit: the tokens a greedy pick is among (the tokenizer's; the embedding
-        table may have padding rows past them)."""
+        table may have padding rows past them). build_missing=False: raises
+        compiled_step.NotCached unless the step's build is in the cache."""
         weight = model.lm_head.weight
         self.config, self.device, self.dtype = model.config, weight.device, weight.dtype
         self.cache = KVCache(model.config, 1, weight.device, weight.dtype)  # the largest, to build
         self.step, self.build_seconds = compile_for(model, self.cache, vocab_limit=vocab_limit,
-                                                    greedy_too=True, max_columns=model.config.context_len)
+                                                    greedy_too=True, max_columns=model.config.context_len,
+                                                    build_missing=build_missing)
         self.pool = pool
         self.token = torch.zeros(1, 1, dtype=torch.long, device=weight.device)
         self.holds = None  # (request, its start) whose first cache.length columns the cache holds

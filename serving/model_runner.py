@@ -10,9 +10,9 @@ draws.
 
 The routes of forward, the first that takes the batch:
 
-    lone step      one request decoding alone (with compile, over a pool in the model's
-                   dtype): generation/compiled_step.py's static step on a dense cache of one
-                   row (lone_step.py)
+    lone step      one request decoding alone (with compile, or IF_CACHED where its build
+                   is cached; over a pool in the model's dtype): generation/compiled_step.py's
+                   static step on a dense cache of one row (lone_step.py)
     compiled step  a decode pass, and with compile a short prefill fed one row per token
                    (attention "kernel"): paged_attention.py's step, compiled whole, its
                    index tensors kept from step to step (decode_index.py)
@@ -29,6 +29,7 @@ logits (Request.processing).
 
 import torch
 
+from generation.compiled_step import NotCached
 from generation.cpu_layout import unpack_linears
 from generation.logits_processors import RowsProcessing
 from generation.speculative import Proposals, check
@@ -57,6 +58,12 @@ def log_probabilities(logits, tokens, tops):
             for t, c, i, v, k in zip(tokens, chosen, ids, values, tops)]
 
 
+# compile's third value, beside True (build what is missing) and False (eager steps, the
+# paged kernel's aside): the lone step where its build is in the cache (generation/step_cache.py),
+# so that a start costs no build; the batch's steps as without compile
+IF_CACHED = "if cached"
+
+
 def decodes_alone(batch):
     """One request, feeding one token (its newest; nothing to score): a decode step, or
     a prompt whose every token was found in the prefix cache (its last is fed again
@@ -64,6 +71,14 @@ def decodes_alone(batch):
     compiled batch step: built on first use, seconds to minutes of stall."""
     (request, *others) = batch
     return not others and not request.score_prompt and request.num_fed == 1
+
+
+def lone_step(model, pool, vocab_limit, build_missing):
+    """The LoneStep, or None where build_missing is False and its build is not cached."""
+    try:
+        return LoneStep(model, pool, vocab_limit, build_missing)
+    except NotCached:
+        return None
 
 
 class ModelRunner:
@@ -78,8 +93,8 @@ class ModelRunner:
         # the lone step's dense cache is the model's dtype: a pool stored otherwise (kv_dtype)
         # has its lone requests decoded by the batch's step
         lone = compile and pool.kv.dtype == model.lm_head.weight.dtype
-        self.lone = LoneStep(model, pool, vocab_limit) if lone else None
-        self.frozen = compile
+        self.lone = lone_step(model, pool, vocab_limit, build_missing=compile is True) if lone else None
+        self.frozen = compile is True
         self.lone_steps = self.compiled_prefills = 0
         self.index = DecodeIndex(pool.tokens_per_block, self.device)
         # Gumbel noise of the batch's draw (sample.sample_rows_with_noise), refilled each step

@@ -170,10 +170,13 @@ def print_warning(message, category, filename, lineno, file=None, line=None):
 @pytest.fixture
 def builds(monkeypatch):
     """build_program without the C++: the exported graph, run by Python. Returns the list of
-    the programs built, to count them."""
+    the programs built, to count them. Its stand-in cache holds what this test built: a
+    program asked for only if cached (build_missing=False) is found once one was built."""
     built = []
 
-    def run_exported(program, example_inputs, dynamic_shapes=None):
+    def run_exported(program, example_inputs, dynamic_shapes=None, build_missing=True):
+        if not build_missing and not built:
+            raise compiled_step.NotCached
         module = compiled_step.export_program(program, example_inputs, dynamic_shapes).module()
         built.append(program)
 

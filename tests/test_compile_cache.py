@@ -100,6 +100,22 @@ def test_the_off_switch_builds_every_time_and_keeps_nothing(folder, monkeypatch)
     assert stand_in.builds == 2 and not folder.exists()
 
 
+def test_a_lookup_only_builds_nothing_and_finds_what_a_build_kept(folder, monkeypatch):
+    # build_missing=False (serve.py's default lone step): None, nothing built, until an
+    # entry is there; with the cache off, never one
+    stand_in = StandIn()
+    assert step_cache.load_or_build(KEY, stand_in.build, stand_in.load, build_missing=False) is None
+    assert stand_in.builds == 0 and not step_cache.holds_entries()
+    step_cache.load_or_build(KEY, stand_in.build, stand_in.load)
+    assert step_cache.holds_entries()
+    assert step_cache.load_or_build(KEY, stand_in.build, stand_in.load, build_missing=False) == b"a library"
+    assert step_cache.load_or_build({**KEY, "weights": "abd"}, stand_in.build, stand_in.load,
+                                    build_missing=False) is None
+    monkeypatch.setenv(step_cache.OFF_VARIABLE, "1")
+    assert step_cache.load_or_build(KEY, stand_in.build, stand_in.load, build_missing=False) is None
+    assert stand_in.builds == 1
+
+
 def fails_once(load):
     """load, but its first call raises as torch's loader does on a package it cannot read."""
     calls = []
@@ -174,19 +190,26 @@ def test_a_real_build_is_loaded_again_by_a_second_start(folder, capsys):
     second process's): loaded from the package, not built, the same logits."""
     tokens = torch.tensor([[5]])
     outputs = []
-    for _ in range(2):
+    with pytest.raises(compiled_step.NotCached):  # asked for only if cached: none is, yet
+        compiled_step.compile_for(tiny_model(CONFIG, seed=3), KVCache(CONFIG, 1, "cpu", torch.float32),
+                                  build_missing=False)
+    assert not folder.exists()  # nothing built, no folder made
+    for build_missing in (True, True, False):
         model = tiny_model(CONFIG, seed=3)  # a new model each time: nothing kept in memory
         cache = KVCache(CONFIG, 1, "cpu", torch.float32)
-        step, _ = compiled_step.compile_for(model, cache)
+        step, _ = compiled_step.compile_for(model, cache, build_missing=build_missing)
         with torch.no_grad():
             outputs.append(step.decode(tokens, cache))
     err = capsys.readouterr().err
-    assert err.count("building the compiled step") == 1 and "loaded from the cache" in err
-    assert torch.equal(outputs[0], outputs[1])
+    assert err.count("building the compiled step") == 1 and err.count("loaded from the cache") == 2
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
 
 
-@pytest.mark.parametrize("script", ["generate.py", "kv_cache.py", "serve.py"])
-def test_no_compile_cache_applies_to_compile(script):
-    result = run_script(script, "--no-compile-cache")
+@pytest.mark.parametrize("script, flags", [("generate.py", []), ("kv_cache.py", []),
+                                           ("serve.py", ["--no-compile"])])
+def test_no_compile_cache_applies_to_compile(script, flags):
+    # serve.py's default loads a cached lone step, which --no-compile-cache turns off: only
+    # beside --no-compile has it nothing to apply to
+    result = run_script(script, *flags, "--no-compile-cache")
     assert result.returncode == 2
     assert "--no-compile-cache applies to --compile; add it, or drop --no-compile-cache" in result.stderr

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from base_model import GPTConfig
-from conftest import tiny_model
+from conftest import run, tiny_model
 from serving.engine import Engine, SamplingParams
+from serving.model_runner import IF_CACHED
 from test_serving_engine import CONFIG, GREEDY, TOKENIZER, alone, random_prompts  # the engine tests'
 
 
@@ -238,6 +239,25 @@ def test_a_lone_client_of_the_server_is_served_by_the_compiled_step(model, build
     ids = TOKENIZER.encode_ordinary(prompt)
     assert text == TOKENIZER.decode(alone(model, ids, 20, temperature=0))
     assert engine.runner.lone_steps == 19
+
+
+def test_if_cached_the_lone_step_is_taken_only_once_a_compile_start_built_it(builds):
+    # serve.py's default (IF_CACHED): no build at start; the engine's batch step for a lone
+    # request, until a start with compile has built (cached) the lone step, then that step,
+    # with the same tokens; the batch's step never frozen (that is --compile's alone). Each
+    # engine a model of its own, as each start of serve.py has (a model keeps its last step)
+    def start(compile):
+        return Engine(tiny_model(CONFIG, seed=3), TOKENIZER, tokens_per_block=8, compile=compile)
+    prompt = prompt_of(7, seed=9)
+    before = start(IF_CACHED)
+    assert before.runner.lone is None and not builds and not before.runner.frozen
+    start(True)  # builds it
+    after = start(IF_CACHED)
+    assert after.runner.lone is not None and len(builds) == 2 and not after.runner.frozen
+    model = after.model
+    tokens = [run(engine, [prompt], max_tokens=20, **GREEDY)[0] for engine in (before, after)]
+    assert before.runner.lone_steps == 0 and after.runner.lone_steps == 19
+    assert tokens[0] == tokens[1] == alone(model, prompt, 20, temperature=0)
 
 
 def test_with_compile_the_batch_step_has_the_weights_frozen_in_and_the_same_tokens(builds):
