@@ -34,7 +34,7 @@ if __name__ == "__main__":  # run as a command; importing this file changes noth
 import numpy as np  # noqa: E402
 import tiktoken  # noqa: E402
 
-from export_hf import gpt2_state_dict, gpt2_tokenizer_files, hf_state_dict, llama_model_type  # noqa: E402
+from export_hf import gpt2_state_dict, gpt2_tokenizer_files, llama_fp32_tensors, llama_model_type  # noqa: E402
 from llama import rope_frequencies  # noqa: E402
 from plumbing.checkpoint import NAIVE_MODELS  # noqa: E402
 from plumbing.cli import ArgumentParser, load_source  # noqa: E402
@@ -99,15 +99,17 @@ def encode_tensor(name, array, outtype, gguf):
 
 def gguf_tensors(model, outtype, gguf):
     """Yield (gguf name, data, ggml type) for every tensor llama.cpp's graph for the model reads."""
-    state_dict = gpt2_state_dict(model) if model.config.family == "gpt" else llama_tensors(model)
-    for key, tensor in state_dict.items():
+    tensors = gpt2_state_dict(model).items() if model.config.family == "gpt" else llama_tensors(model)
+    for key, tensor in tensors:
         name = gguf_name(key, gguf)
         yield (name, *encode_tensor(name, tensor.numpy(), outtype, gguf))
 
 
 def llama_tensors(model):
-    """A Llama-style model's tensors as llama.cpp reads them (export_hf's state dict: a tied
-    output layer is left out, and llama.cpp ties it to token_embd as we do). Two changes:
+    """Yield (name, fp32 tensor) of a Llama-style model as llama.cpp reads them, one at a
+    time (export_hf.llama_fp32_tensors: a tied output layer is left out, and llama.cpp ties
+    it to token_embd as we do; an 8B model in bf16 is converted a tensor at a time, its
+    quantized file's tensors the only ones held). Two changes:
       - llama.cpp's 'llama' graph rotates channel pairs (2i, 2i+1), Meta's original layout,
         where ours (Hugging Face's) pairs i with i + head_dim/2: each head's q and k rows
         are interleaved to match (the same reordering llama.cpp's converter makes). Its
@@ -115,16 +117,14 @@ def llama_tensors(model):
       - Llama 3's rope scaling travels as a tensor, rope_freqs: for each pair, how many
         times slower it turns than plain RoPE would turn it."""
     config = model.config
-    state_dict = hf_state_dict(model)
-    if llama_model_type(config)[0] == "llama":
-        for key, tensor in state_dict.items():
-            if key.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
-                heads = config.n_head if ".q_proj." in key else config.n_kv_head
-                state_dict[key] = interleave_rotary_pairs(tensor, heads)
+    pairs_differ = llama_model_type(config)[0] == "llama"
+    for key, tensor in llama_fp32_tensors(model):
+        if pairs_differ and key.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            tensor = interleave_rotary_pairs(tensor, config.n_head if ".q_proj." in key else config.n_kv_head)
+        yield key, tensor
     if (config.rope_scaling or {}).get("rope_type") == "llama3":
         plain = rope_frequencies(dataclasses.replace(config, rope_scaling=None))
-        state_dict["rope_freqs.weight"] = plain / rope_frequencies(config)
-    return state_dict
+        yield "rope_freqs.weight", plain / rope_frequencies(config)
 
 
 def interleave_rotary_pairs(weight, n_heads):

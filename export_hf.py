@@ -94,11 +94,19 @@ def gpt2_state_dict(model):
 
 def hf_state_dict(model):
     """Our state dict in the HF class's layout: GPT2LMHeadModel's Conv1D weights are (in, out);
-    a Llama's are ours, fp32 and contiguous, a tied lm_head left out (its embedding is it)."""
+    a Llama's are ours (llama_fp32_tensors)."""
     if model.config.family == "gpt":
         return swap_conv1d(gpt2_state_dict(model))
-    return {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()
-            if not (k == "lm_head.weight" and model.config.tie_embeddings)}
+    return dict(llama_fp32_tensors(model))
+
+
+def llama_fp32_tensors(model):
+    """Yield (name, tensor) of a Llama-family model's state dict, each fp32, contiguous and
+    on the CPU, a tied lm_head left out (its embedding is it). One at a time: a bf16 model
+    of 8B parameters would be 32 GB converted all at once."""
+    for key, tensor in model.state_dict().items():
+        if not (key == "lm_head.weight" and model.config.tie_embeddings):
+            yield key, tensor.detach().float().cpu().contiguous()
 
 
 def write_weights(state_dict, out_dir, use_safetensors=None):

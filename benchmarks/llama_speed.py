@@ -1,6 +1,6 @@
 """
 Decode and prefill speed of a Llama-3.2-1B-shaped model beside llama.cpp on identical
-weights: ours in fp32 against llama.cpp f32, bf16 against f16, --quantize int8 against
+weights: ours in fp32 against llama.cpp f32, bf16 against bf16, --quantize int8 against
 q8_0 and int4 against q4_0; decode through llama.cpp's Python binding (greedy tokens
 compared) and, where it is built, its own llama-bench (tg, and pp for the prefill table).
 
@@ -55,8 +55,8 @@ SHAPES = {
                         n_embd=256, intermediate_size=704, rope_theta=500000.0,
                         rope_scaling=LLAMA3_SCALING, tie_embeddings=True),
 }
-LLAMA_OUTTYPES = ("f32", "q8_0", "q4_0")  # through the binding (it has no bf16; f16 is llama-bench's)
-BENCH_OUTTYPES = {"fp32": "f32", "bf16": "f16", "bf16-torch": "f16", "int8": "q8_0",  # ours: llama-bench's
+LLAMA_OUTTYPES = ("f32", "q8_0", "q4_0")  # through the binding (bf16 is llama-bench's)
+BENCH_OUTTYPES = {"fp32": "f32", "bf16": "bf16", "bf16-torch": "bf16", "int8": "q8_0",  # ours: llama-bench's
                   "int4": "q4_0"}
 PREFILL_LENGTHS = (128, 512, 2048)
 
@@ -87,7 +87,7 @@ def llama_speed(shape, n, reps, device, prefill_lengths=PREFILL_LENGTHS, forms=t
     floor = result["models"][0]["read_GBps"]
     result["prefill"] = prefill_section(model, label, n, reps, prefill_lengths, forms, floor)
     rows = result["models"][0]["rows"]
-    decode = {}  # llama-bench's format: ours' decode in it (bf16 before bf16-torch for f16)
+    decode = {}  # llama-bench's format: ours' decode in it (bf16 before bf16-torch for bf16)
     for form in forms:
         if FORMS[form] in rows:
             decode.setdefault(f"llama.cpp {BENCH_OUTTYPES[form]}", rows[FORMS[form]]["decode_tok_s"])
@@ -98,7 +98,7 @@ def llama_speed(shape, n, reps, device, prefill_lengths=PREFILL_LENGTHS, forms=t
 def prefill_section(model, label, n, reps, lengths, forms, read_GBps):
     """Ours' prefill rows, the machine's matmul peaks, and llama-bench's pp/tg (or why not)."""
     note = llama_bench_missing()
-    outtypes = list(dict.fromkeys(BENCH_OUTTYPES[f] for f in forms))  # bf16 and bf16-torch: f16 once
+    outtypes = list(dict.fromkeys(BENCH_OUTTYPES[f] for f in forms))  # bf16 and bf16-torch: bf16 once
     bench = {} if note else llama_bench_rows(model, label, outtypes, lengths, n, reps)
     for row in bench.values():  # its decode against the same floor as ours'
         row["floor_ms"] = row["weight_bytes"] / read_GBps / 1e6

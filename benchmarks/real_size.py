@@ -5,7 +5,7 @@ a fresh process, in turns: the peak resident memory and the time from start to t
 token, per weight format.
 
     python -m benchmarks.real_size                  # Llama-3.2-1B shape (2.5 GB of bf16); ~10 min
-    python -m benchmarks.real_size --shape 8b       # Llama-3-8B shape (16 GB of bf16); ours only
+    python -m benchmarks.real_size --shape 8b --formats int4   # Llama-3-8B shape (16 GB of bf16)
     python -m benchmarks.real_size --formats int4   # some formats only
 
 The directory (and each GGUF file llama.cpp reads) is written once under --cache-dir and
@@ -122,11 +122,11 @@ def random_weight(shape, generator):
 
 def write_peer_gguf(hf_dir, out, outtype):
     """llama.cpp's file of the directory's weights in outtype (export_gguf.write_gguf from
-    the model loaded in fp32: the bf16 values are exact there). Run in a process of its own
-    (gguf_for), which gives its memory back when it ends."""
+    the model loaded in bf16, its file's pages, widened to fp32 a tensor at a time: exact).
+    Run in a process of its own (gguf_for), which gives its memory back when it ends."""
     from export_gguf import write_gguf
     from plumbing.hf import load_hf_model
-    model, _ = load_hf_model(NAIVE_MODELS, hf_dir, dtype=torch.float32, report=lambda line: None)
+    model, _ = load_hf_model(NAIVE_MODELS, hf_dir, dtype=torch.bfloat16, report=lambda line: None)
     write_atomically(out, lambda tmp: write_gguf(tmp, model, placeholder_with_end(), outtype, out.stem))
 
 
@@ -230,9 +230,6 @@ def real_size(args):
         print(f"writing {hf_dir} (once) ...", file=sys.stderr, flush=True)
         write_random_hf_dir(config, hf_dir)
     binary, llama_note = llama_server_binary(args.llama_server)
-    if binary is not None and args.shape == "8b":
-        binary, llama_note = None, ("llama.cpp skipped at the 8b shape: export_gguf.write_gguf "
-                                    "holds the model in fp32 (32 GB) to write its file")
     threads = torch.get_num_threads()
     runs = {}
     with open(folder / "runs.log", "w") as log:

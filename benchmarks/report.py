@@ -73,6 +73,11 @@ def print_floor(f, peak_rss_mb):
           f"allocated {f['cache_bytes_real']:,} B | peak RSS {peak_rss_mb:.0f} MB")
 
 
+def agreement(same, tokens):
+    """"k/n" greedy tokens as ours fp32 eager, or "-" where that reference did not run."""
+    return "-" if same is None else f"{same}/{tokens}"
+
+
 def print_decode_speed(d):
     print(f"\n## Decode speed: ours and llama.cpp on identical weights, {d['prompt_tokens']}-token "
           f"prompt, greedy, {d['threads']} threads ({d['cpu_capability']}), in turns; tok/s of the "
@@ -96,7 +101,7 @@ def print_decode_speed(d):
             print(f"| {t['model']} | {name} | {row['setup_s']:.1f} | {row['weight_bytes'] / 1e6:.1f} | "
                   f"{row['floor_ms']:.2f} | {fmt_spread(row['tok_s'])} | "
                   f"{1e3 / row['tok_s']['median']:.2f} | {row['over_floor']:.1f}x |{ratio} "
-                  f"{row['greedy_leading_same']}/{t['tokens']} |")
+                  f"{agreement(row['greedy_leading_same'], t['tokens'])} |")
     for t in d["models"]:
         for pair, ratio in t.get("pairs", {}).items():
             print(f"{t['model']}: {pair} = {ratio:.2f}x")

@@ -152,7 +152,13 @@ AVX512BF16 ALWAYS_INLINE void step_avx512bf16(floats16 (&acc)[MR][R], const bf16
                                               int64_t stride) {
   __m512i wv[R];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(w + r * stride);
+  for (int r = 0; r < R; ++r) {
+    // the next tile's row at the same columns, fetched ahead: R rows side by side are R
+    // streams, which the CPU's own prefetcher follows less well than one (the output layer,
+    // too big for any cache, went from 24 to 29 GB/s on a Xeon)
+    _mm_prefetch((const char*)(w + (r + R) * stride), _MM_HINT_T0);
+    wv[r] = _mm512_loadu_si512(w + r * stride);
+  }
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
     __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * stride);

@@ -165,29 +165,46 @@ AVX512 __m512 two_scales(float low, float high) {
   return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(low), _mm512_set1_ps(high));
 }
 
-AVX512 float int8_row_avx512(const int8_t* w, const int8_t* xq, const float* d, int64_t K) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t b = 0;
-  for (; b + 2 <= K / BLOCK; b += 2) {  // two blocks at a time
-    __m512i x = _mm512_loadu_si512(xq + b * BLOCK);
-    __m512i y = _mm512_loadu_si512(w + b * BLOCK);
-    // as in AVX2, |x| times y with x's sign (AVX-512 has no sign_epi8: negate y where x < 0)
-    __m512i signed_y = _mm512_mask_sub_epi8(y, _mm512_movepi8_mask(x), _mm512_setzero_si512(), y);
-    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(x), signed_y);
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), two_scales(d[b], d[b + 1]), acc);
-  }
-  float sum = _mm512_reduce_add_ps(acc);
-  if (b < K / BLOCK) sum += int8_row_portable(w + b * BLOCK, xq + b * BLOCK, d + b, BLOCK);  // an odd block
-  return sum;
-}
-
-// int4 with AVX-512 a tile at a time: TILE weight rows against one row of x. At batch 1 a
-// kernel of one row at a time (as the AVX2 one) spent as long on its overheads as on the
-// weights: per row, a horizontal sum, the scales broadcast one by one, and the scalar loop
-// over the groups' offsets (the formula's last two lines, ~40% of the instructions at
-// K = 2048). Here each load of x and of its block scales serves TILE rows, the TILE sums
-// are independent (the CPU overlaps them), and the offsets are summed 16 groups a step.
+// int8 and int4 with AVX-512 a tile at a time: TILE weight rows against one row of x. At
+// batch 1 a kernel of one row at a time (as the AVX2 ones) spent as long on its overheads as
+// on the weights: per row, a horizontal sum, x's signs and scales worked out again, one
+// chain of dependent additions, and for int4 the scalar loop over the groups' offsets (the
+// formula's last two lines, ~40% of the instructions at K = 2048). Here each load of x and
+// of its block scales serves TILE rows, the TILE sums are independent (the CPU overlaps
+// them), the next tile is fetched ahead, and int4's offsets are summed 16 groups a step.
 constexpr int TILE = 4;
+
+// y[r] = scale[r] * (weight row r of R, R <= TILE, rows K bytes apart, times x's row)
+template <int R>
+AVX512 void int8_tile_avx512(const int8_t* w, int64_t K, const at::BFloat16* scale, const int8_t* xq,
+                             const float* d, float* y) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= K / BLOCK; b += 2) {  // two blocks a step
+    const __m512i x = _mm512_loadu_si512(xq + b * BLOCK);
+    // as in AVX2, |x| times y with x's sign (AVX-512 has no sign_epi8: negate y where x < 0);
+    // |x|, its signs and the two blocks' scales once for the R rows
+    const __m512i abs_x = _mm512_abs_epi8(x);
+    const __mmask64 negative = _mm512_movepi8_mask(x);
+    const __m512 dx = two_scales(d[b], d[b + 1]);
+    for (int r = 0; r < R; ++r) {
+      // the next tile's row at the same place, fetched ahead (as int4's tile does: R rows
+      // side by side are R streams, which the CPU's own prefetcher follows less well)
+      _mm_prefetch((const char*)(w + (r + R) * K + b * BLOCK), _MM_HINT_T0);
+      const __m512i y_r = _mm512_loadu_si512(w + r * K + b * BLOCK);
+      const __m512i signed_y = _mm512_mask_sub_epi8(y_r, negative, _mm512_setzero_si512(), y_r);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), abs_x, signed_y);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dx, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float sum = _mm512_reduce_add_ps(acc[r]);
+    if (b < K / BLOCK)  // an odd block
+      sum += int8_row_portable(w + r * K + b * BLOCK, xq + b * BLOCK, d + b, BLOCK);
+    y[r] = scale[r] * sum;
+  }
+}
 
 // 16 bf16 numbers to fp32: a bf16 is the top half of an fp32 one
 AVX512 __m512 bf16x16_to_fp32(const at::BFloat16* v) {
@@ -287,12 +304,24 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
   auto d = at::empty({M, K / BLOCK}, x.options());
   quantize_activations(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), d.data_ptr<float>());
-  auto row = isa == "avx512vnni" ? int8_row_avx512 : isa == "avx2" ? int8_row_avx2 : int8_row_portable;
   auto y = at::empty({M, N}, x.options());
   const int8_t *w = q.data_ptr<int8_t>(), *xq_data = xq.data_ptr<int8_t>();
   const float* d_data = d.data_ptr<float>();
   const at::BFloat16* scale_data = scale.data_ptr<at::BFloat16>();
   float* y_data = y.data_ptr<float>();
+  if (isa == "avx512vnni") {
+    // tiles of TILE weight rows, each against every row of x while it is in the L1 cache
+    at::parallel_for(0, N, 16, [&](int64_t first, int64_t end) {
+      for (int64_t n = first; n < end; n += TILE) {
+        auto tile = end - n >= TILE ? int8_tile_avx512<TILE> : end - n == 3 ? int8_tile_avx512<3>
+                  : end - n == 2 ? int8_tile_avx512<2> : int8_tile_avx512<1>;  // the chunk's last rows
+        for (int64_t m = 0; m < M; ++m)
+          tile(w + n * K, K, scale_data + n, xq_data + m * K, d_data + m * (K / BLOCK), y_data + m * N + n);
+      }
+    });
+    return y;
+  }
+  auto row = isa == "avx2" ? int8_row_avx2 : int8_row_portable;
   at::parallel_for(0, N, 16, [&](int64_t first, int64_t end) {
     for (int64_t n = first; n < end; ++n)
       for (int64_t m = 0; m < M; ++m)  // the weight row stays in L1 across x's rows

@@ -37,3 +37,29 @@ def test_both_servers_answer_the_same_load(tmp_path):
     assert result["errors"] == {"ours": 0, "llama_server": 0}
     assert all(result[w]["ours_tok_s"]["median"] > 0 and result[w]["llama_server_tok_s"]["median"] > 0
                for w in ("many", "one"))
+
+
+def test_the_long_prompt_workload_needs_its_binary_and_a_positive_pace(tmp_path):
+    proc = run_script("benchmarks/long_prompts_peers.py", "--llama-server", str(tmp_path / "nope"))
+    assert proc.returncode == 2 and "not a file" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    (tmp_path / "bin").write_text("")
+    proc = run_script("benchmarks/long_prompts_peers.py", "--llama-server", str(tmp_path / "bin"),
+                      "--every", "0")
+    assert proc.returncode == 2 and "--start and --every must be more than 0" in proc.stderr
+
+
+@pytest.mark.skipif(not LLAMA_SERVER, reason="set LLAMA_SERVER to a llama-server binary "
+                    "(python -m benchmarks.server_peers --build DIR) to run both servers")
+def test_both_servers_take_long_prompts_among_decoding_streams(tmp_path):
+    out = tmp_path / "long.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.long_prompts_peers", "--llama-server",
+                           LLAMA_SERVER, "--shape", "tiny", "--streams", "2", "--stream-tokens", "900",
+                           "--prompt-len", "300", "--long-prompts", "2", "--start", "0.2", "--every", "0.2",
+                           "--reps", "1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    servers = json.loads(out.read_text())["servers"]
+    for figures in servers.values():  # each server's streams went on decoding through the window
+        assert 0 < figures["itl_p50_ms"]["median"] <= figures["itl_p99_ms"]["median"]
+        assert figures["tok_s"]["median"] > 0 and figures["ttft_ms"]["median"] > 0
