@@ -185,7 +185,7 @@ class QuantizedLinear(nn.Module):
         """x (rows, in) @ the dequantized weight.T, CHUNK_ROWS output channels at a time (a
         128256-token head would be a 1 GB fp32 temporary at once), in prompt_dtype."""
         x_in = x.to(self.prompt_dtype)
-        return torch.cat([F.linear(x_in, self.dequantized_weight(rows).to(self.prompt_dtype))
+        return torch.cat([F.linear(x_in, self.dequantized_weight(rows, self.prompt_dtype))
                           for rows in row_chunks(self)], dim=1).to(x.dtype)
 
     def weight_nbytes(self):
@@ -241,9 +241,13 @@ class Int8Linear(QuantizedLinear):
             return torch._weight_int8pack_mm(x, self.weight_int8, self.scale)  # (x @ q.T) * scale
         return F.linear(x, self.weight_int8.to(x.dtype)) * self.scale  # the same, portably
 
-    def dequantized_weight(self, rows=slice(None)):
-        """The weight as the layer uses it, (out, in) fp32, or those output rows of it."""
-        return dequantize_int8(self.weight_int8[rows], self.scale[rows])
+    def dequantized_weight(self, rows=slice(None), dtype=torch.float32):
+        """The weight as the layer uses it, (out, in) in dtype, or those output rows of it
+        (ours: its operator, one pass over the codes; the same numbers, to the last bit of
+        fp32, as dequantize_int8)."""
+        if self.kernel == "ours":
+            return torch.ops.kvcache_gpt_quant.int8_dequantize(self.weight_int8[rows], self.scale[rows], dtype)
+        return dequantize_int8(self.weight_int8[rows], self.scale[rows]).to(dtype)
 
 
 class Int4Linear(QuantizedLinear):
@@ -303,18 +307,22 @@ class Int4Linear(QuantizedLinear):
             return self.scale_and_zero[..., 0].float().t()[:self.out_features]
         return self.scale.float()
 
-    def dequantized_weight(self, rows=slice(None)):
-        """The weight as the layer uses it, (out, in) fp32, or those output rows of it (ours
-        and the portable path's layout only)."""
+    def dequantized_weight(self, rows=slice(None), dtype=torch.float32):
+        """The weight as the layer uses it, (out, in) in dtype, or those output rows of it
+        (rows: ours and the portable path's layout only; ours through its operator, as
+        Int8Linear's)."""
         if self.kernel == "torch":
             # the packed layout is the kernel's own, so read it back through the kernel: the
             # identity times W.T is W.T, exact in fp32 (one nonzero product per output)
             eye = torch.eye(self.in_features, device=self.weight_int4.device)
             wt = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 eye, self.weight_int4, self.group_size, self.scale_and_zero.float())
-            return wt[:, :self.out_features].t()
+            return wt[:, :self.out_features].t().to(dtype)
+        if self.kernel == "ours":
+            return torch.ops.kvcache_gpt_quant.int4_dequantize(self.weight_int4[rows], self.scale[rows],
+                                                               self.zero[rows], self.group_size, dtype)
         return dequantize_int4(quantized_matmul.unpack_int4(self.weight_int4[rows]), self.scale[rows],
-                               self.zero[rows], self.group_size)
+                               self.zero[rows], self.group_size).to(dtype)
 
 
 def int4_group_size(model):

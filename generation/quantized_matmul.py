@@ -36,7 +36,8 @@ BLOCK = 32  # the activations' block: every input width must be a multiple of it
 
 @functools.cache
 def kernels():
-    """torch.ops.kvcache_gpt_quant (int8_matmul, int4_matmul, kernel_isas), built or loaded
+    """torch.ops.kvcache_gpt_quant (int8_matmul, int4_matmul, their weights' int8_dequantize
+    and int4_dequantize into fp32 or bf16, kernel_isas), built or loaded
     on the first call; None, with a warning, where it cannot be built."""
     error = build_kernel(KERNEL_SOURCE, "kvcache_gpt_quantized_matmul")
     if error:
@@ -51,6 +52,14 @@ def kernels():
     @torch.library.register_fake("kvcache_gpt_quant::int4_matmul")
     def _(x, packed, scale, zero, group_size, isa):
         return x.new_empty(x.shape[0], packed.shape[0])
+
+    @torch.library.register_fake("kvcache_gpt_quant::int8_dequantize")
+    def _(q, scale, dtype):
+        return q.new_empty(q.shape, dtype=dtype)
+
+    @torch.library.register_fake("kvcache_gpt_quant::int4_dequantize")
+    def _(packed, scale, zero, group_size, dtype):
+        return packed.new_empty(packed.shape[0], packed.shape[1] * 2, dtype=dtype)
     return torch.ops.kvcache_gpt_quant
 
 

@@ -120,3 +120,30 @@ def test_a_compiled_graph_traces_the_quantized_linears():
     with torch.no_grad():
         compiled = torch.compile(model, fullgraph=True)
         torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_dequantizing_operators_give_the_reference_weights(shape, dtype):
+    # a prompt's chunk of weights, as the tensor operations of weight_quant.py would give
+    # it: the same fp32 arithmetic, but the compiler may fuse a multiply and an add, which
+    # moves the fp32 value by its last bit and so a bf16 one by at most one step (2^-7 of it
+    # at most: bf16 keeps 8 significant bits)
+    step = 2 ** -23 if dtype == torch.float32 else 2 ** -7
+    _, q, scale, dq8 = int8_case(*shape)
+    _, packed, s, z, dq4, _ = int4_case(*shape, group_size=32)
+    for ours, reference in [(ops.int8_dequantize(q, scale, dtype), dq8),
+                            (ops.int4_dequantize(packed, s, z, 32, dtype), dq4)]:
+        assert ours.dtype == dtype and ours.shape == reference.shape
+        assert ((ours.float() - reference.to(dtype).float()).abs() <= step * reference.abs() + 1e-30).all()
+
+
+def test_the_dequantizing_operators_refuse_bad_inputs_in_a_line():
+    _, q, scale, _ = int8_case(1, 8, 64)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 out"):
+        ops.int8_dequantize(q, scale, torch.float16)
+    with pytest.raises(RuntimeError, match="scale bfloat16"):
+        ops.int8_dequantize(q, scale.float(), torch.float32)
+    _, packed, s, z, _, _ = int4_case(1, 8, 64)
+    with pytest.raises(RuntimeError, match="the group a multiple of"):
+        ops.int4_dequantize(packed, s, z, 16, torch.bfloat16)
