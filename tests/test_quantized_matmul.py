@@ -1,7 +1,8 @@
 """Our quantized matrix products (generation/quantized_matmul.cpp): every instruction set
 this CPU runs gives the portable loop's numbers, each is within the rounding of its int8
 activations of x @ W.T, the int4 layout packs and unpacks exactly, bad inputs are refused
-in a line, and torch.compile calls the operator from a compiled graph.
+in a line, torch.compile calls the operator from a compiled graph, and the dequantizing
+operators (a prompt's weights) give the reference weights.
 
 Tolerances: between instruction sets only the order of fp32 sums differs (the integer
 dot products are exact), ~1e-6 of the sum of |x_k W[n, k]|; against x @ W.T the bound of
