@@ -34,7 +34,8 @@ The kernels, three of them (`kernel=`), chosen per Linear where it is made:
   "ours"      on the CPU: generation/quantized_matmul.cpp, built on first use, fed fp32;
               it quantizes the activations in blocks of 32 and reads each weight once,
               1.5-8x torch's speed at one row on an AVX2 EPYC (docs/log/benchmarks-round-8.md);
-              from FLOAT_MATMUL_ROWS rows on, a float matmul of the weight dequantized:
+              from FLOAT_MATMUL_ROWS rows on, a float matmul of the weight dequantized
+              (its int8_dequantize / int4_dequantize operators, one pass over the codes):
               in bf16 where the CPU multiplies bf16 in hardware (AVX-512 BF16, AMX: oneDNN's
               bf16 GEMM, ~4.7x its fp32 one on a Zen 4 EPYC), else in fp32.
               int4 weights lie two to a byte in its own order (quantized_matmul.pack_int4).
