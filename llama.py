@@ -86,7 +86,10 @@ def rope_frequencies(config):
     slows the slowest pairs (long wavelengths) by `factor`, leaves the fastest alone and
     blends in between, so a model trained on 8k positions reads 128k."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    # on the CPU whatever the default device: a model built on the meta device (to be filled
+    # from a file) gets real frequencies too; forward() moves them to the positions' device
+    channel_pairs = torch.arange(0, d, 2, dtype=torch.int64, device="cpu")
+    inv_freq = 1.0 / (config.rope_theta ** (channel_pairs.float() / d))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":

@@ -230,7 +230,9 @@ class Int8Linear(QuantizedLinear):
         self.set_weight(linear.weight.detach())
 
     def set_weight(self, weight):
-        q, scale = quantize_int8(weight)
+        # ours: its operator, one pass and no temporaries, quantize_int8's numbers to the bit
+        q, scale = (torch.ops.kvcache_gpt_quant.int8_quantize(weight.contiguous()) if self.kernel == "ours"
+                    else quantize_int8(weight))
         # buffers, not parameters, and not persistent: the state dict holds `weight` instead
         self.register_buffer("weight_int8", q, persistent=False)  # (out, in), row-major
         self.register_buffer("scale", scale.to(self.scale_dtype), persistent=False)  # (out,)
@@ -265,11 +267,26 @@ class Int4Linear(QuantizedLinear):
         self.set_weight(linear.weight.detach())
 
     def set_weight(self, weight):
-        # a chunk of rows at a time, quantized and packed into the final buffers: the whole
-        # matrix's one-byte codes (and torch's kernel's int32 input, 4 bytes a weight) would be
-        # 263 MB (1 GB) more for a 128256 x 2048 output layer
-        ours = self.kernel != "torch"
-        pad = 0 if ours else -self.out_features % 16  # torch's kernel: rows padded to 16, sliced off
+        if self.kernel == "ours":  # its operator: one pass, no temporaries, quantize_int4's numbers
+            packed, scale, lo = torch.ops.kvcache_gpt_quant.int4_quantize(weight.contiguous(), self.group_size)
+            scale, zero = scale.to(self.scale_dtype), (lo + 8 * scale).to(self.scale_dtype)
+        else:
+            packed, scale, zero = self.quantized_in_chunks(weight)
+        self.register_buffer("weight_int4", packed, persistent=False)
+        if self.kernel != "torch":
+            self.register_buffer("scale", scale, persistent=False)  # (out, groups)
+            self.register_buffer("zero", zero, persistent=False)
+        else:
+            self.register_buffer("scale_and_zero", torch.stack([scale, zero], dim=-1).transpose(0, 1)
+                                 .contiguous(), persistent=False)  # (groups, out, 2): the kernel's order
+
+    def quantized_in_chunks(self, weight):
+        """(packed, scale, zero) for torch's kernel or the portable path: a chunk of rows at a
+        time, quantized and packed into the final buffers (the whole matrix's one-byte codes,
+        and torch's kernel's int32 input, 4 bytes a weight, would be 263 MB and 1 GB more for
+        a 128256 x 2048 output layer)."""
+        portable = self.kernel == "portable"
+        pad = 0 if portable else -self.out_features % 16  # torch's kernel: rows padded to 16, sliced off
         rows_total, groups = self.out_features + pad, self.in_features // self.group_size
         packed = torch.empty(rows_total, self.in_features // 2, dtype=torch.uint8, device=weight.device)
         scale = torch.empty(rows_total, groups, dtype=self.scale_dtype, device=weight.device)
@@ -279,18 +296,12 @@ class Int4Linear(QuantizedLinear):
             if pad and rows.stop >= self.out_features:  # the last chunk takes the padding
                 rows = slice(rows.start, rows_total)
                 q, chunk_scale, chunk_zero = (F.pad(t, (0, 0, 0, pad)) for t in (q, chunk_scale, chunk_zero))
-            # ours: two weights a byte in blocks of 32; torch's kernel packs blocks of rows
-            # its own way and takes int32
-            packed[rows] = (quantized_matmul.pack_int4(q) if ours else
+            # the portable path: ours' layout, two weights a byte in blocks of 32; torch's
+            # kernel packs blocks of rows its own way and takes int32
+            packed[rows] = (quantized_matmul.pack_int4(q) if portable else
                             torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2))
             scale[rows], zero[rows] = chunk_scale, chunk_zero
-        self.register_buffer("weight_int4", packed, persistent=False)
-        if ours:
-            self.register_buffer("scale", scale, persistent=False)  # (out, groups)
-            self.register_buffer("zero", zero, persistent=False)
-        else:
-            self.register_buffer("scale_and_zero", torch.stack([scale, zero], dim=-1).transpose(0, 1)
-                                 .contiguous(), persistent=False)  # (groups, out, 2): the kernel's order
+        return packed, scale, zero
 
     def matmul(self, x):
         if self.kernel == "ours":

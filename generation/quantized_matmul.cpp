@@ -33,6 +33,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 #include <immintrin.h>
@@ -40,11 +41,13 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
 
 constexpr int64_t BLOCK = 32;  // activations (and int4 weights) are stored in blocks of 32
+constexpr float MIN_SCALE = 1e-12f;  // weight_quant.MIN_SCALE: an all-equal row or group's scale
 
 // ------------------------------------------------------------------ the activations, in 8 bits
 
@@ -518,6 +521,176 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale, co
   return out;
 }
 
+// ------------------------------------------------------------------ quantizing, while loading
+
+// What weight_quant.quantize_int8 / quantize_int4 compute, in one pass over each row with no
+// temporaries (the Python reference makes five or six fp32 copies of each chunk of rows,
+// which cost most of a 1B model's loading time and leave the allocator's heap fragmented).
+// The same operations in the same order (a max, a division, a rounding to nearest even),
+// so the same codes and scales to the bit: tests check it.
+template <typename T>
+void int8_quantize_rows(const T* w, int64_t N, int64_t K, int8_t* q, float* scale) {
+  at::parallel_for(0, N, 16, [&](int64_t first, int64_t end) {
+    for (int64_t n = first; n < end; ++n) {
+      const T* row = w + n * K;
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs((float)row[k]));
+      const float s = std::max(amax / 127.f, MIN_SCALE);
+      scale[n] = s;
+      for (int64_t k = 0; k < K; ++k)
+        q[n * K + k] = (int8_t)std::clamp(std::nearbyint((float)row[k] / s), -127.f, 127.f);
+    }
+  });
+}
+
+// per group of G weights: lo, scale = max((hi - lo) / 15, MIN_SCALE), level = round((w - lo) /
+// scale) in [0, 15], packed in pack_int4's order (byte j of a block of 32: weight j low, j + 16 high)
+template <typename T>
+void int4_quantize_rows(const T* w, int64_t N, int64_t K, int64_t group_size, uint8_t* packed, float* scale,
+                        float* lo) {
+  const int64_t groups = K / group_size;
+  at::parallel_for(0, N, 16, [&](int64_t first, int64_t end) {
+    std::vector<uint8_t> levels(group_size);
+    for (int64_t n = first; n < end; ++n)
+      for (int64_t g = 0; g < groups; ++g) {
+        const T* group = w + n * K + g * group_size;
+        float least = (float)group[0], most = least;
+        for (int64_t k = 1; k < group_size; ++k) {
+          least = std::min(least, (float)group[k]);
+          most = std::max(most, (float)group[k]);
+        }
+        const float s = std::max((most - least) / 15.f, MIN_SCALE);
+        scale[n * groups + g] = s, lo[n * groups + g] = least;
+        for (int64_t k = 0; k < group_size; ++k)
+          levels[k] = (uint8_t)std::clamp(std::nearbyint(((float)group[k] - least) / s), 0.f, 15.f);
+        uint8_t* out = packed + n * K / 2 + g * group_size / 2;
+        for (int64_t b = 0; b < group_size; b += BLOCK)
+          for (int64_t j = 0; j < BLOCK / 2; ++j)
+            out[b / 2 + j] = levels[b + j] | (levels[b + j + BLOCK / 2] << 4);
+      }
+  });
+}
+
+// The same in AVX-512, 16 weights a step (exact IEEE division and rounding to nearest even
+// as the loops above: the same numbers to the bit), where the CPU has it.
+#define AVX512F_BW __attribute__((target("avx512f,avx512bw")))
+
+bool cpu_has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
+
+// 16 weights as fp32, exactly (a bf16's 16 bits are the top half of its fp32)
+AVX512F_BW inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+AVX512F_BW inline __m512 load16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+AVX512F_BW inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+constexpr int ROUND_EVEN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+template <typename T>
+AVX512F_BW void int8_quantize_rows_avx512(const T* w, int64_t N, int64_t K, int8_t* q, float* scale) {
+  at::parallel_for(0, N, 16, [&](int64_t first, int64_t end) {
+    for (int64_t n = first; n < end; ++n) {
+      const T* row = w + n * K;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(row + k)));
+      const float s = std::max(_mm512_reduce_max_ps(amax) / 127.f, MIN_SCALE);
+      scale[n] = s;
+      const __m512 sv = _mm512_set1_ps(s), least = _mm512_set1_ps(-127.f), most = _mm512_set1_ps(127.f);
+      for (int64_t k = 0; k < K; k += 16) {
+        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16(row + k), sv), ROUND_EVEN);
+        v = _mm512_min_ps(_mm512_max_ps(v, least), most);
+        _mm_storeu_si128((__m128i*)(q + n * K + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+      }
+    }
+  });
+}
+
+template <typename T>
+AVX512F_BW void int4_quantize_rows_avx512(const T* w, int64_t N, int64_t K, int64_t group_size, uint8_t* packed,
+                                          float* scale, float* lo) {
+  const int64_t groups = K / group_size;
+  at::parallel_for(0, N, 16, [&](int64_t first, int64_t end) {
+    const __m512 top = _mm512_set1_ps(15.f), bottom = _mm512_setzero_ps();
+    for (int64_t n = first; n < end; ++n)
+      for (int64_t g = 0; g < groups; ++g) {
+        const T* group = w + n * K + g * group_size;
+        __m512 least = load16(group), most = least;
+        for (int64_t k = 16; k < group_size; k += 16) {
+          const __m512 v = load16(group + k);
+          least = _mm512_min_ps(least, v), most = _mm512_max_ps(most, v);
+        }
+        const float l = _mm512_reduce_min_ps(least);
+        const float s = std::max((_mm512_reduce_max_ps(most) - l) / 15.f, MIN_SCALE);
+        scale[n * groups + g] = s, lo[n * groups + g] = l;
+        const __m512 lv = _mm512_set1_ps(l), sv = _mm512_set1_ps(s);
+        uint8_t* out = packed + n * K / 2 + g * group_size / 2;
+        for (int64_t b = 0; b < group_size; b += BLOCK) {
+          __m128i halves[2];  // the block's levels 0-15 and 16-31, a byte each
+          for (int h = 0; h < 2; ++h) {
+            __m512 v = _mm512_div_ps(_mm512_sub_ps(load16(group + b + h * BLOCK / 2), lv), sv);
+            v = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(v, ROUND_EVEN), bottom), top);
+            halves[h] = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v));
+          }
+          _mm_storeu_si128((__m128i*)(out + b / 2), _mm_or_si128(halves[0], _mm_slli_epi16(halves[1], 4)));
+        }
+      }
+  });
+}
+
+void check_quantize_input(const at::Tensor& w, const char* name) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) % BLOCK == 0 &&
+              (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf),
+              name, ": the weight must be a contiguous float32, bfloat16 or float16 (out, in), in a multiple of ",
+              BLOCK);
+}
+
+// run(data) with w's values as a pointer of their type: float, bf16 or fp16 (checked)
+template <typename Run>
+void with_weight_data(const at::Tensor& w, Run run) {
+  if (w.scalar_type() == at::kFloat)
+    run(w.data_ptr<float>());
+  else if (w.scalar_type() == at::kBFloat16)
+    run(w.data_ptr<at::BFloat16>());
+  else
+    run(w.data_ptr<at::Half>());
+}
+
+// w (N, K) -> (q (N, K) int8, scale (N,) fp32): weight_quant.quantize_int8's numbers
+std::tuple<at::Tensor, at::Tensor> int8_quantize(const at::Tensor& w) {
+  check_quantize_input(w, "int8_quantize");
+  const int64_t N = w.size(0), K = w.size(1);
+  auto q = at::empty({N, K}, w.options().dtype(at::kChar));
+  auto scale = at::empty({N}, w.options().dtype(at::kFloat));
+  with_weight_data(w, [&](const auto* data) {
+    if (cpu_has_avx512())
+      int8_quantize_rows_avx512(data, N, K, q.data_ptr<int8_t>(), scale.data_ptr<float>());
+    else
+      int8_quantize_rows(data, N, K, q.data_ptr<int8_t>(), scale.data_ptr<float>());
+  });
+  return {q, scale};
+}
+
+// w (N, K) -> (packed (N, K / 2) uint8, scale (N, K / G) fp32, lo (N, K / G) fp32): the levels
+// of weight_quant.quantize_int4, packed as pack_int4 packs them; its zero is lo + 8 * scale
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_quantize(const at::Tensor& w, int64_t group_size) {
+  check_quantize_input(w, "int4_quantize");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(group_size >= BLOCK && group_size % BLOCK == 0 && K % group_size == 0,
+              "int4_quantize: the group must be a multiple of ", BLOCK, " that divides the width");
+  auto packed = at::empty({N, K / 2}, w.options().dtype(at::kByte));
+  auto scale = at::empty({N, K / group_size}, w.options().dtype(at::kFloat));
+  auto lo = at::empty_like(scale);
+  with_weight_data(w, [&](const auto* data) {
+    if (cpu_has_avx512())
+      int4_quantize_rows_avx512(data, N, K, group_size, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                                lo.data_ptr<float>());
+    else
+      int4_quantize_rows(data, N, K, group_size, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                         lo.data_ptr<float>());
+  });
+  return {packed, scale, lo};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvcache_gpt_quant, m) {
@@ -526,6 +699,8 @@ TORCH_LIBRARY(kvcache_gpt_quant, m) {
   m.def("int4_matmul(Tensor x, Tensor packed, Tensor scale, Tensor zero, int group_size, str isa) -> Tensor");
   m.def("int8_dequantize(Tensor q, Tensor scale, ScalarType dtype) -> Tensor");
   m.def("int4_dequantize(Tensor packed, Tensor scale, Tensor zero, int group_size, ScalarType dtype) -> Tensor");
+  m.def("int8_quantize(Tensor w) -> (Tensor, Tensor)");
+  m.def("int4_quantize(Tensor w, int group_size) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvcache_gpt_quant, CPU, m) {
@@ -533,4 +708,6 @@ TORCH_LIBRARY_IMPL(kvcache_gpt_quant, CPU, m) {
   m.impl("int4_matmul", int4_matmul);
   m.impl("int8_dequantize", int8_dequantize);
   m.impl("int4_dequantize", int4_dequantize);
+  m.impl("int8_quantize", int8_quantize);
+  m.impl("int4_quantize", int4_quantize);
 }

@@ -36,8 +36,9 @@ BLOCK = 32  # the activations' block: every input width must be a multiple of it
 
 @functools.cache
 def kernels():
-    """torch.ops.kvcache_gpt_quant (int8_matmul, int4_matmul, their weights' int8_dequantize
-    and int4_dequantize into fp32 or bf16, kernel_isas), built or loaded
+    """torch.ops.kvcache_gpt_quant (int8_matmul, int4_matmul, their weights' int8_quantize and
+    int4_quantize from a float weight, int8_dequantize and int4_dequantize into fp32 or bf16,
+    kernel_isas), built or loaded
     on the first call; None, with a warning, where it cannot be built."""
     error = build_kernel(KERNEL_SOURCE, "kvcache_gpt_quantized_matmul")
     if error:
@@ -60,6 +61,15 @@ def kernels():
     @torch.library.register_fake("kvcache_gpt_quant::int4_dequantize")
     def _(packed, scale, zero, group_size, dtype):
         return packed.new_empty(packed.shape[0], packed.shape[1] * 2, dtype=dtype)
+
+    @torch.library.register_fake("kvcache_gpt_quant::int8_quantize")
+    def _(w):
+        return w.new_empty(w.shape, dtype=torch.int8), w.new_empty(w.shape[0], dtype=torch.float32)
+
+    @torch.library.register_fake("kvcache_gpt_quant::int4_quantize")
+    def _(w, group_size):
+        groups = w.new_empty(w.shape[0], w.shape[1] // group_size, dtype=torch.float32)
+        return w.new_empty(w.shape[0], w.shape[1] // 2, dtype=torch.uint8), groups, torch.empty_like(groups)
     return torch.ops.kvcache_gpt_quant
 
 

@@ -13,7 +13,6 @@ import torch
 from base_model import store_linears_column_major
 from benchmarks.real_size import SHAPES, write_random_hf_dir
 from kv_cache import CACHED_MODELS
-from plumbing import checkpoint
 from plumbing.checkpoint import check_values
 from plumbing.hf import load_hf_model
 from plumbing.memory import model_memory
@@ -42,13 +41,16 @@ def test_random_directory_loads_in_bfloat16_as_the_file_holds_it(tiny_dir):
     assert fp32.model.layers[0].mlp.up_proj.weight.t().is_contiguous()  # fp32: column-major
 
 
-def test_a_nan_in_the_last_chunk_is_found(monkeypatch):
-    monkeypatch.setattr(checkpoint, "FINITE_CHECK_CHUNK", 1000)
-    table = torch.zeros(50, 70, dtype=torch.bfloat16)  # 3,500 values: four chunks
-    check_values({"t": table}, "file")
-    table[-1, -1] = float("nan")
-    with pytest.raises(CheckpointError, match="t holds 1 NaN"):
-        check_values({"t": table}, "file")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
+def test_one_value_not_finite_anywhere_is_found(dtype, bad):
+    table = torch.randn(50, 70).to(dtype)
+    check_values({"t": table, "empty": torch.empty(0, dtype=dtype)}, "file")
+    for at in [(0, 0), (25, 33), (-1, -1)]:  # first, middle and last value
+        damaged = table.clone()
+        damaged[at] = bad
+        with pytest.raises(CheckpointError, match="t holds 1 NaN or infinite value"):
+            check_values({"t": damaged}, "file")
 
 
 class FakeTerminal(io.StringIO):
