@@ -31,7 +31,7 @@ KINDS = {  # how a generation runs: naive, or the cached loop with a cache kind
 
 def random_model(shape, device, seed=0):
     torch.manual_seed(seed)
-    return pack_linears(store_linears_column_major(KVCacheGPT(SHAPES[shape]).to(device).eval()))
+    return store_linears_column_major(pack_linears(KVCacheGPT(SHAPES[shape]).to(device).eval()))
 
 
 def step_times(model, kind, prompt, n):

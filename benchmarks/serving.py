@@ -486,7 +486,7 @@ def main():
     if args.shape:
         torch.manual_seed(args.seed)
         device = torch.device("cpu" if args.device == "auto" else args.device)
-        model = pack_linears(store_linears_column_major(KVCacheGPT(SHAPES[args.shape]).to(device).eval()))
+        model = store_linears_column_major(pack_linears(KVCacheGPT(SHAPES[args.shape]).to(device).eval()))
         name = f"{args.shape} shape (random weights)"
         tokenizer = CountingTokenizer(model.config.vocab_size)
     else:

@@ -1,16 +1,16 @@
 """
 Letting go of a memory-mapped tensor's pages once nothing reads it whole.
 
-A tensor read in the run's dtype from a safetensors file (or a torch.load(mmap=True) one)
-is the file's pages, mapped: a page becomes resident, and counts in the process's memory,
-when it is first read, and stays so while the mapping lives. Loading reads every weight
-once (the finite-values check; quantizing a tied output layer reads the whole table), but
-from then on a token embedding is read a row per token: its table, 525 MB of bf16 at the
-Llama-3.2-1B shape and 1 GB at the Llama-3-8B shape, need not stay resident. Where the
-output layer is quantized (or is a matrix of its own), madvise(MADV_DONTNEED) drops the
-table's pages from this process; a later lookup faults its row's page back in from the
-file (through the kernel's page cache), with the file's bytes: the values never change.
-That is what llama.cpp gets from its memory-mapped GGUF: resident is what a run touches.
+A tensor read from a safetensors file (or a torch.load(mmap=True) one) is the file's pages,
+mapped: a page becomes resident, and counts in the process's memory, when it is first
+read, and stays so while the mapping lives (a .pt file's mapping lives as long as any of
+its tensors). Loading reads every weight once (the finite-values check), and some are read
+no more: a weight converted to the run's dtype or quantized, and the token embedding, read
+a row per token once nothing else reads the whole table (its table: 525 MB of bf16 at the
+Llama-3.2-1B shape, 1 GB at the Llama-3-8B shape). madvise(MADV_DONTNEED) drops such
+pages from this process; a later read faults its page back in from the file (through the
+kernel's page cache), with the file's bytes: the values never change. That is what
+llama.cpp gets from its memory-mapped GGUF: resident is what a run touches.
 
 Only for a tensor lying inside one file mapping of this process (/proc/self/maps), which
 the loaders alone call it with, on a tensor they have just read from its file and nothing

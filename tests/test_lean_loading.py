@@ -6,9 +6,12 @@ says; --quantize while loading is load-then-quantize; and loading a bfloat16 fil
 bfloat16 holds no second copy of it."""
 
 import argparse
+import dataclasses
 import json
+import mmap
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +27,7 @@ from plumbing.checkpoint import (BUNDLED, BUNDLED_LLAMA, EMBEDDING, NAIVE_MODELS
                                  saved_dtype, split_checkpoint)
 from plumbing.cli import load_source
 from plumbing.hf import config_dtype, load_hf_model, read_config
+from plumbing.mapped_pages import release_file_pages
 from plumbing.model_config import make_config
 from weight_quant import QuantizedLinear, quantize_model
 
@@ -441,3 +445,58 @@ def test_loading_bf16_holds_no_second_copy(tmp_path):
     growth_fp32, dtype = peak_growth(small, big, "float32")
     assert dtype == "torch.float32"
     assert growth_fp32 > 1.5 * size, f"fp32: peak +{growth_fp32 / 1e6:.0f} MB for {size / 1e6:.0f} MB"
+
+
+# ---------------------------------------------------------------------------- 7. file pages let go
+
+BIG_VOCAB_LLAMA = LlamaConfig(context_len=64, vocab_size=8192, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
+                              intermediate_size=96, tie_embeddings=True)  # a 2 MB fp32 table: 512 pages
+
+
+def mapped_fraction(tensor):
+    """The share of tensor's whole pages this process has mapped in (bit 63 of each page's
+    /proc/self/pagemap entry: present), whatever the kernel's page cache holds."""
+    page = mmap.PAGESIZE
+    first, last = -(-tensor.data_ptr() // page), (tensor.data_ptr() + tensor.nbytes) // page
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = pagemap.read((last - first) * 8)
+    present = [int.from_bytes(entries[i:i + 8], "little") >> 63 for i in range(0, len(entries), 8)]
+    return sum(present) / len(present)
+
+
+def big_vocab_checkpoint(tmp_path, tied):
+    model = tiny_model(dataclasses.replace(BIG_VOCAB_LLAMA, tie_embeddings=tied), cls=Llama)
+    save_checkpoint(tmp_path / "big_vocab.pt", model, byte_tokenizer_spec())
+    return tmp_path / "big_vocab.pt", model.model.embed_tokens.weight.detach().clone()
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="/proc/self/pagemap: Linux")
+@pytest.mark.parametrize("tied, quantize, released", [
+    (True, "int8", True),    # the tied head quantized: the table is read a row per token
+    (True, "int4", True),
+    (True, None, False),     # a float tied head reads the whole table every step: kept
+    (False, None, True),     # an untied head: the table is read a row per token at once
+])
+def test_embedding_pages_let_go_once_read_by_rows(tmp_path, tied, quantize, released):
+    """Loaded from a memory-mapped file in its own dtype, the token embedding's pages stay
+    mapped only where something still reads the table whole; dropped, they come back with
+    the file's bytes (the values and the lookup unchanged)."""
+    path, table = big_vocab_checkpoint(tmp_path, tied)
+    model, _ = load_model(NAIVE_MODELS, path, dtype=torch.float32, report=quiet, quantize=quantize)
+    embedding = model.model.embed_tokens.weight
+    fraction = mapped_fraction(embedding)
+    assert (fraction < 0.05) if released else (fraction > 0.95), fraction
+    assert torch.equal(model.model.embed_tokens(PROMPT)[0], table[PROMPT[0]])  # rows read back
+    if released:  # those rows' pages only (the kernel maps up to 16 around each page read)
+        assert 0 < mapped_fraction(embedding) < 6 * 16 / 512
+    assert torch.equal(embedding.detach(), table)
+
+
+def test_release_leaves_memory_that_is_not_a_files_alone():
+    """A tensor of anonymous memory (a converted or copied one) would be zeroed by
+    MADV_DONTNEED: release_file_pages refuses it and the values stay."""
+    values = torch.randn(1 << 20)  # 4 MB: whole pages of the heap or an anonymous mapping
+    kept = values.clone()
+    assert release_file_pages(values) is False
+    assert torch.equal(values, kept)

@@ -1,8 +1,9 @@
 """Our quantized matrix products (generation/quantized_matmul.cpp): every instruction set
 this CPU runs gives the portable loop's numbers, each is within the rounding of its int8
 activations of x @ W.T, the int4 layout packs and unpacks exactly, bad inputs are refused
-in a line, torch.compile calls the operator from a compiled graph, and the dequantizing
-operators (a prompt's weights) give the reference weights.
+in a line, torch.compile calls the operator from a compiled graph, the dequantizing
+operators (a prompt's weights) give the reference weights and the quantizing ones
+(loading's) the reference codes and scales, to the bit.
 
 Tolerances: between instruction sets only the order of fp32 sums differs (the integer
 dot products are exact), ~1e-6 of the sum of |x_k W[n, k]|; against x @ W.T the bound of
@@ -148,3 +149,39 @@ def test_the_dequantizing_operators_refuse_bad_inputs_in_a_line():
     _, packed, s, z, _, _ = int4_case(1, 8, 64)
     with pytest.raises(RuntimeError, match="the group a multiple of"):
         ops.int4_dequantize(packed, s, z, 16, torch.bfloat16)
+
+
+def awkward_weights(out_features, in_features, dtype, seed=0):
+    """Random weights with the rows a quantizer can get wrong: all zero, all one value,
+    signed zeros, one large value among small ones."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g) * 0.05
+    w[0], w[1], w[2, ::2], w[3, 5] = 0.0, 0.3, -0.0, 7.5
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(40, 64), (23, 256), (7, 1024)])
+def test_the_quantizing_operators_give_the_reference_codes_to_the_bit(shape, dtype):
+    # loading's one pass (int8_quantize / int4_quantize) against weight_quant.py's tensor
+    # operations: the same division and rounding to nearest even, so no tolerance at all
+    w = awkward_weights(*shape, dtype)
+    q, scale = ops.int8_quantize(w)
+    q_ref, scale_ref = quantize_int8(w)
+    assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
+    for group_size in [g for g in (32, 64, 128, 256) if shape[1] % g == 0]:
+        packed, scale, lo = ops.int4_quantize(w, group_size)
+        levels, scale_ref, zero_ref = quantize_int4(w, group_size)
+        assert torch.equal(packed, quantized_matmul.pack_int4(levels)), group_size
+        assert torch.equal(scale, scale_ref) and torch.equal(lo + 8 * scale, zero_ref), group_size
+
+
+def test_the_quantizing_operators_refuse_bad_inputs_in_a_line():
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        ops.int8_quantize(torch.zeros(4, 64, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="in a multiple of 32"):
+        ops.int8_quantize(torch.zeros(4, 48))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.int4_quantize(torch.zeros(64, 4).t(), 32)
+    with pytest.raises(RuntimeError, match="divides the width"):
+        ops.int4_quantize(torch.zeros(4, 96), 64)
