@@ -26,6 +26,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 from plumbing.script import Terminated, UserError, begin, run
 
@@ -82,8 +83,13 @@ def parse_args():
                    "(AOTInductor), not the paged engine: faster for one user; the library holds a "
                    "second copy of the weights. --compile builds it if it is not cached (seconds to "
                    "minutes, once per model and machine), and compiles the batch's step with its "
-                   "weights frozen; --no-compile: neither; default: the lone step where a "
-                   "--compile start has cached its build, nothing built")
+                   "weights frozen; --no-compile: neither; default: the lone step where its build "
+                   "is cached, else the batch step while a child process builds it at a lower "
+                   "priority, the lone step once built (serving/background_build.py)")
+    p.add_argument("--build-only", action="store_true",
+                   help="load the model, build the lone request's compiled step into the cache (what a "
+                   "start without --compile takes) and exit: what the default start runs in the "
+                   "background when none is cached")
     add_compile_cache_arg(p)
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template for /v1/chat/completions (default: the --hf "
@@ -103,6 +109,9 @@ def parse_args():
     add_limit_args(p)
     args = p.parse_args()
     use_compile_cache_arg(p, args)
+    if args.build_only and (args.compile is False or args.no_compile_cache):
+        p.error("--build-only builds the compiled step into the cache; drop --no-compile and "
+                "--no-compile-cache")
     check_speculation_args(p, args)
     if args.draft is not None:
         p.error("--draft: the engine proposes by prompt lookup only (a draft model is "
@@ -162,31 +171,52 @@ def main():
         import jinja2  # noqa: F401  (for chat templates)
     except ImportError as e:
         raise UserError(f"serve.py needs {e.name}: pip install -r requirements.txt") from None
-    from serving.engine import Engine
-    from serving.model_runner import IF_CACHED
-    from serving.server import BackgroundServer
-
     model, tokenizer, _ = load_from_args(CACHED_MODELS, args)
     if args.speculate:
         check_speculate(args.speculate, model)
-    try:
-        engine = Engine(model, tokenizer, num_blocks=args.num_blocks,
-                        tokens_per_block=args.tokens_per_block, max_batch=args.max_batch,
-                        max_prefill_tokens=args.max_prefill_tokens, max_step_tokens=args.max_step_tokens,
-                        attention=args.attention,
-                        limits=limits_from_args(args), kv_dtype=args.kv_dtype,
-                        compile=IF_CACHED if args.compile is None else args.compile,
-                        speculate=args.speculate or 0, prompt_lookup=args.prompt_lookup or 3)
-    except ValueError as e:  # before anything is allocated: a pool too small or too large, a
-        # head size a quantized pool cannot pack
-        raise UserError(f"--num-blocks {args.num_blocks or '(default)'}, --tokens-per-block "
-                        f"{args.tokens_per_block}, --kv-dtype {args.kv_dtype or '(default)'}: {e}") from None
+    engine = make_engine(args, model, tokenizer)
+    if args.build_only:
+        if engine.runner.lone is None:
+            raise UserError(f"--build-only: a pool stored as {args.kv_dtype} decodes a request alone "
+                            "with the batch step; there is no compiled step to build")
+        print("the compiled single-stream step is in the cache: a start without --compile takes it",
+              file=sys.stderr)
+        return
     chat_template = load_chat_template(args, tokenizer)  # once the pool is sure to fit
     pool = engine.pool
     print(f"KV pool: {pool.num_blocks} blocks of {pool.tokens_per_block} positions, {pool.kv_dtype}, "
           f"{pool.nbytes() / 2**20:.1f} MiB (room for {pool.full_contexts(model.config.context_len)} "
           f"full contexts of {model.config.context_len})", file=sys.stderr)
-    say_lone_step(args, engine, model)
+    build = start_lone_step(args, engine, model)
+    try:
+        serve(args, engine, tokenizer, chat_template)
+    finally:
+        if build is not None:
+            build.stop()
+
+
+def make_engine(args, model, tokenizer):
+    """The engine the flags ask for (a --build-only child's: the same, compiling its lone
+    step, so that the build is the one the parent's start looks up)."""
+    from serving.engine import Engine
+    from serving.model_runner import IF_CACHED
+    try:
+        return Engine(model, tokenizer, num_blocks=args.num_blocks,
+                      tokens_per_block=args.tokens_per_block, max_batch=args.max_batch,
+                      max_prefill_tokens=args.max_prefill_tokens, max_step_tokens=args.max_step_tokens,
+                      attention=args.attention,
+                      limits=limits_from_args(args), kv_dtype=args.kv_dtype,
+                      compile=True if args.build_only else IF_CACHED if args.compile is None else args.compile,
+                      speculate=args.speculate or 0, prompt_lookup=args.prompt_lookup or 3)
+    except ValueError as e:  # before anything is allocated: a pool too small or too large, a
+        # head size a quantized pool cannot pack
+        raise UserError(f"--num-blocks {args.num_blocks or '(default)'}, --tokens-per-block "
+                        f"{args.tokens_per_block}, --kv-dtype {args.kv_dtype or '(default)'}: {e}") from None
+
+
+def serve(args, engine, tokenizer, chat_template):
+    """Warm the engine up, open the HTTP server and run the engine until stopped."""
+    from serving.server import BackgroundServer
     if args.attention == "kernel":
         print("compiling the decode step (once: up to a minute)...", file=sys.stderr, flush=True)
     engine.warm_up()
@@ -213,17 +243,28 @@ def main():
         server.close()
 
 
-def say_lone_step(args, engine, model):
-    """One line on how a request alone decodes, where the default (no --compile or
-    --no-compile) chose: the fast path is on without asking only where its build is cached."""
+def start_lone_step(args, engine, model):
+    """Where the default (no --compile or --no-compile) chose, one line on how a request
+    alone decodes: the compiled single-stream step where its build is cached, else the
+    batch step while a child process builds it (returned: a BackgroundBuild, which the
+    engine's runner asks), or where there is no cache to build into, the batch step."""
     if args.compile is not None or engine.pool.kv.dtype != model.lm_head.weight.dtype:
-        return
+        return None
+    from generation.step_cache import cache_folder
+    from serving.background_build import BackgroundBuild
+    build = None
     if engine.runner.lone is not None:
-        line = "the compiled single-stream step, cached by an earlier --compile start (--no-compile: off)"
+        line = "the compiled single-stream step, its build cached (--no-compile: off)"
+    elif cache_folder() is None:
+        line = "the engine's batch step (no compile cache to build the single-stream step into)"
     else:
-        line = ("the engine's batch step (start once with --compile to build the faster "
-                "single-stream step, once per model and machine: later starts use it)")
+        build = BackgroundBuild(Path(__file__).resolve(), sys.argv[1:],
+                                report=lambda said: print(said, file=sys.stderr, flush=True))
+        engine.runner.lone_build = build
+        line = ("the engine's batch step until the compiled single-stream step, building in the "
+                "background (once per model and machine; --no-compile: off), is ready")
     print(f"a request alone: {line}", file=sys.stderr)
+    return build
 
 
 def run_until_stopped(engine):

@@ -15,7 +15,8 @@ A run writes the model as GGUF (export_gguf.py), starts `python serve.py` and ll
 (`-np` slots for as many requests as the workload sends at once, `-t` threads, as much
 context per slot as ours; ours with --compile, so that a request alone takes the compiled
 step, or as --ours says: `default`, started as the README starts it, which takes that step
-where an earlier --compile start cached its build, or `no-compile`), and then, for --rounds
+once its build is cached (built first here by `serve.py --build-only`, as the default start
+builds it in the background), or `no-compile`), and then, for --rounds
 rounds, each server in turn gets:
   - the workload: --requests streaming clients at once, --prompt-len random tokens each,
     --output-len tokens generated, greedy, ignore_eos (benchmarks/load_test.py);
@@ -83,10 +84,15 @@ OURS_FLAGS = {"compile": ["--compile"], "default": [], "no-compile": ["--no-comp
 
 
 def start_ours(ckpt, port, slots, ours, log):
-    """serve.py, with --ours's flags (OURS_FLAGS)."""
-    command = [sys.executable, str(ROOT / "serve.py"), "--ckpt", str(ckpt), "--port", str(port),
-               "--max-batch", str(slots), *OURS_FLAGS[ours]]
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    """serve.py, with --ours's flags (OURS_FLAGS). The default's lone step is built first,
+    where it is not cached, by `serve.py --build-only` (what the default start runs in the
+    background, serving/background_build.py): the figures are a default start's once built,
+    not a server sharing its cores with the compiler."""
+    command = [sys.executable, str(ROOT / "serve.py"), "--ckpt", str(ckpt), "--max-batch", str(slots)]
+    if ours == "default":
+        subprocess.run([*command, "--build-only"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, check=True)
+    return subprocess.Popen([*command, "--port", str(port), *OURS_FLAGS[ours]], stdout=log,
+                            stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 def start_llama_server(binary, gguf, port, slots, context_len, threads, log):

@@ -11,7 +11,8 @@ draws.
 The routes of forward, the first that takes the batch:
 
     lone step      one request decoding alone (with compile, or IF_CACHED where its build
-                   is cached; over a pool in the model's dtype): generation/compiled_step.py's
+                   is cached, or once serve.py's background build has cached it:
+                   background_build.py; over a pool in the model's dtype): generation/compiled_step.py's
                    static step on a dense cache of one row (lone_step.py)
     compiled step  a decode pass, and with compile a short prefill fed one row per token
                    (attention "kernel"): paged_attention.py's step, compiled whole, its
@@ -95,6 +96,7 @@ class ModelRunner:
         lone = compile and pool.kv.dtype == model.lm_head.weight.dtype
         self.lone = lone_step(model, pool, vocab_limit, build_missing=compile is True) if lone else None
         self.frozen = compile is True
+        self.lone_build = None  # serving/background_build.py's child, building the lone step
         self.lone_steps = self.compiled_prefills = 0
         self.index = DecodeIndex(pool.tokens_per_block, self.device)
         # Gumbel noise of the batch's draw (sample.sample_rows_with_noise), refilled each step
@@ -129,11 +131,22 @@ class ModelRunner:
         sequence's last token, the tokens (B,) drawn inside a compiled step (None: draw
         makes them), and {row: logits (1 + proposed, V)} at every fed position of each
         sequence with proposals."""
+        if self.lone is None and self.lone_build is not None and decodes_alone(batch):
+            self.take_built_lone_step()
         if self.lone is not None and decodes_alone(batch):
             return self.forward_lone(batch[0])
         if self.compiled_decode and self.fits_compiled_step(batch):
             return self.forward_compiled(batch)
         return self.forward_eager(batch)
+
+    def take_built_lone_step(self):
+        """The lone step, loaded from the cache once lone_build (a BackgroundBuild) has built
+        it there; nothing while it builds, or where it failed."""
+        built = self.lone_build.finished()
+        if built is not None:
+            self.lone_build = None
+            if built:
+                self.lone = lone_step(self.model, self.pool, self.vocab_limit, build_missing=False)
 
     def forward_lone(self, request):
         """The lone step; its greedy pick is the token of a greedy request (nothing runs

@@ -85,6 +85,12 @@ def config(request):
     return TINY_CONFIGS[request.param]
 
 
+# for a serve.py the tests start as a process: no child building the lone request's compiled
+# step in the background (serving/background_build.py), a minute of CPU for a server that
+# lives seconds (tests/test_lone_step.py and test_compile_cache.py test the build)
+NO_BACKGROUND_BUILD = {step_cache.OFF_VARIABLE: "1"}
+
+
 @pytest.fixture(autouse=True)
 def session_step_cache(tmp_path_factory, monkeypatch):
     """The compiled steps the tests build are kept in one temporary folder for the whole

@@ -165,6 +165,8 @@ CASES = [  # (script, args, what the error line must mention)
     ("serve.py", ["--ckpt", "{d}/tiny.pt", "--tokens-per-block", "1000000000"], "would need"),
     ("serve.py", ["--ckpt", "{d}/tiny.pt", "--kv-dtype", "int8", "--num-blocks", "4000000000"], "would need"),
     ("serve.py", ["--kv-dtype", "int7"], "invalid choice: 'int7'"),
+    ("serve.py", ["--build-only", "--no-compile"], "drop --no-compile and --no-compile-cache"),
+    ("serve.py", ["--ckpt", "{d}/tiny.pt", "--build-only", "--kv-dtype", "int8"], "there is no compiled step to build"),
     ("serve.py", ["--speculate", "4"], "--speculate K needs a proposer"),
     ("serve.py", ["--prompt-lookup", "3"], "also give --speculate K"),
     ("serve.py", ["--speculate", "4", "--draft", "{d}/good.pt"], "the engine proposes by prompt lookup only"),

@@ -213,3 +213,20 @@ def test_no_compile_cache_applies_to_compile(script, flags):
     result = run_script(script, *flags, "--no-compile-cache")
     assert result.returncode == 2
     assert "--no-compile-cache applies to --compile; add it, or drop --no-compile-cache" in result.stderr
+
+
+def test_serve_py_build_only_builds_the_step_a_default_start_takes(tiny_ckpt, monkeypatch):
+    # what serve.py's default start runs in the background where no lone step is cached: a
+    # child `serve.py ARGS --compile --build-only --max-batch 1` (serving/background_build.py).
+    # Its build must be the one a start with ARGS looks up (the same key: the same model,
+    # prepared the same way), or the server would never take it. A real build (~20 s).
+    import serve
+    built = run_script("serve.py", "--ckpt", str(tiny_ckpt), "--device", "cpu", "--compile", "--build-only",
+                       "--max-batch", "1")
+    assert built.returncode == 0, built.stderr
+    assert "the compiled single-stream step is in the cache" in built.stderr
+    monkeypatch.setattr("sys.argv", ["serve.py", "--ckpt", str(tiny_ckpt), "--device", "cpu"])
+    args = serve.parse_args()
+    model, tokenizer, _ = serve.load_from_args(serve.CACHED_MODELS, args)
+    engine = serve.make_engine(args, model, tokenizer)
+    assert engine.runner.lone is not None  # loaded from the cache, not built

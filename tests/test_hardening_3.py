@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, byte_tokenizer
+from conftest import NO_BACKGROUND_BUILD, ROOT, byte_tokenizer
 
 TOKENIZER = byte_tokenizer()
 
@@ -27,7 +27,7 @@ TOKENIZER = byte_tokenizer()
 # ---------------------------------------------------------------------------- SIGTERM
 
 def start_serve(*args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **NO_BACKGROUND_BUILD}
     process = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), *args], cwd=ROOT, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for line in process.stderr:  # 'serving NAME on http://127.0.0.1:PORT/v1 (...)'

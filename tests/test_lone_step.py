@@ -10,11 +10,14 @@ these tests check. Token equality is exact for greedy decoding: the graph comput
 eager arithmetic in another order (~1e-6 apart), and argmax flips only at near-ties, which
 these seeds lack."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from base_model import GPTConfig
 from conftest import run, tiny_model
+from serving.background_build import BackgroundBuild
 from serving.engine import Engine, SamplingParams
 from serving.model_runner import IF_CACHED
 from test_serving_engine import CONFIG, GREEDY, TOKENIZER, alone, random_prompts  # the engine tests'
@@ -258,6 +261,67 @@ def test_if_cached_the_lone_step_is_taken_only_once_a_compile_start_built_it(bui
     tokens = [run(engine, [prompt], max_tokens=20, **GREEDY)[0] for engine in (before, after)]
     assert before.runner.lone_steps == 0 and after.runner.lone_steps == 19
     assert tokens[0] == tokens[1] == alone(model, prompt, 20, temperature=0)
+
+
+class FakeBuild:
+    """serving/background_build.py's BackgroundBuild as the runner sees it: finished() is
+    None while building, then its outcome once, then None."""
+    def __init__(self):
+        self.outcome, self.asked = None, 0
+
+    def finished(self):
+        self.asked += 1
+        outcome, self.outcome = self.outcome, None
+        return outcome
+
+
+@pytest.mark.parametrize("succeeds", [True, False])
+def test_a_background_build_is_taken_up_by_the_next_lone_request(builds, succeeds):
+    # serve.py's default with nothing cached: the batch step while the child builds; once it
+    # has built (cached) the step, the next lone request takes it, with the same tokens; a
+    # build that failed leaves the batch step, asked no more
+    engine = Engine(tiny_model(CONFIG, seed=3), TOKENIZER, tokens_per_block=8, compile=IF_CACHED)
+    build = engine.runner.lone_build = FakeBuild()
+    prompt = prompt_of(7, seed=9)
+    while_building = run(engine, [prompt], max_tokens=10, **GREEDY)[0]
+    assert engine.runner.lone is None and engine.runner.lone_steps == 0 and build.asked == 9
+    if succeeds:
+        Engine(tiny_model(CONFIG, seed=3), TOKENIZER, tokens_per_block=8, compile=True)  # the child's build
+    build.outcome = succeeds
+    after = run(engine, [prompt], max_tokens=10, **GREEDY)[0]
+    assert (engine.runner.lone is not None) == succeeds and engine.runner.lone_build is None
+    assert engine.runner.lone_steps == (9 if succeeds else 0) and build.asked == 10
+    assert while_building == after == alone(engine.model, prompt, 10, temperature=0)
+
+
+@pytest.mark.parametrize("status", [0, 3])
+def test_the_background_build_says_once_how_it_ended(tmp_path, status):
+    # the child is serve.py with its arguments and --compile --build-only (a stand-in script
+    # here, which records them): finished() is None while it runs, then its outcome once,
+    # with one line; its log is removed where it succeeded, named where it failed
+    script = tmp_path / "serve.py"
+    script.write_text(f"import sys, time\ntime.sleep(0.5)\nprint(sys.argv[1:])\nsys.exit({status})\n")
+    said = []
+    build = BackgroundBuild(script, ["--ckpt", "x.pt"], report=said.append)
+    assert build.finished() is None and said == []
+    build.process.wait()
+    log = Path(build.log.name)
+    assert build.finished() is (status == 0) and build.finished() is None and len(said) == 1
+    if status == 0:
+        assert "built in the background" in said[0] and not log.exists()
+    else:
+        assert f"exit status {status}" in said[0] and str(log) in said[0]
+        assert "'--ckpt', 'x.pt', '--compile', '--build-only', '--max-batch', '1'" in log.read_text()
+        log.unlink()
+
+
+def test_the_background_build_ends_with_the_server(tmp_path):
+    script = tmp_path / "serve.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    build = BackgroundBuild(script, [], report=lambda line: None)
+    process, log = build.process, Path(build.log.name)
+    build.stop()
+    assert process.poll() is not None and not log.exists() and build.finished() is None
 
 
 def test_with_compile_the_batch_step_has_the_weights_frozen_in_and_the_same_tokens(builds):

@@ -29,7 +29,7 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from base_model import GPTConfig  # noqa: E402
-from conftest import ROOT, byte_tokenizer_spec, run_script, tiny_model  # noqa: E402
+from conftest import NO_BACKGROUND_BUILD, ROOT, byte_tokenizer_spec, run_script, tiny_model  # noqa: E402
 from generation.loop import generate_tokens  # noqa: E402
 from plumbing.tokenizer import encoding_from_spec  # noqa: E402
 from serving.chat import ChatTemplate, template_from_hf_dir  # noqa: E402
@@ -440,7 +440,7 @@ def test_no_block_is_left_out_of_the_pool(engine):
 def test_serve_py_takes_the_key_from_the_environment_and_never_prints_it(tiny_ckpt, tmp_path):
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE.replace("<|end|>", "<|endoftext|>"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVCACHE_API_KEY": KEY}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVCACHE_API_KEY": KEY, **NO_BACKGROUND_BUILD}
     process = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--ckpt", str(tiny_ckpt),
                                 "--port", "0", "--device", "cpu", "--attention", "gather",
                                 "--chat-template", str(template)],

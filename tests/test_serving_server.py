@@ -17,7 +17,7 @@ pytest.importorskip("aiohttp")
 openai = pytest.importorskip("openai")
 
 from base_model import GPTConfig  # noqa: E402
-from conftest import ROOT, byte_tokenizer, tiny_model  # noqa: E402
+from conftest import NO_BACKGROUND_BUILD, ROOT, byte_tokenizer, tiny_model  # noqa: E402
 from generation.loop import generate_tokens  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.server import BackgroundServer  # noqa: E402
@@ -209,7 +209,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(server):
 
 
 def run_serve(*args, **kw):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **NO_BACKGROUND_BUILD}
     return subprocess.Popen([sys.executable, str(ROOT / "serve.py"), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
