@@ -39,6 +39,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <string>
 #include <tuple>
@@ -230,42 +231,90 @@ AVX512 float int4_offsets_avx512(const at::BFloat16* s, const at::BFloat16* z, c
   return sum;
 }
 
+// int4 on AVX-512 takes four blocks (128 weights, 64 bytes of a row) a step: one load, two
+// masks, two dot products. In a 64-byte load, 128-bit lane k holds block k's 32 levels, its
+// low halves weights 0-15 and high halves 16-31; so x is laid out the same way once per row
+// of x (int4_x_halves: the four blocks' first halves, then their second halves) and the low
+// and high levels each meet their activations without a shuffle. Then lane group k of the
+// 16 int32 sums is block k's, and its scale d[k] * s[k's group] multiplies it. (Two blocks a
+// step, the levels shuffled into x's order, took twice the instructions per weight.)
+constexpr int64_t CHUNK = 4 * BLOCK;  // the weights of a step
+
+// xq (K,) -> halves (K,): per chunk of four blocks, their values 0-15, then their 16-31
+void int4_x_halves(const int8_t* xq, int64_t K, int8_t* halves) {
+  for (int64_t c = 0; c < K / CHUNK; ++c)
+    for (int64_t k = 0; k < 4; ++k)
+      for (int64_t j = 0; j < BLOCK / 2; ++j) {
+        halves[c * CHUNK + k * BLOCK / 2 + j] = xq[c * CHUNK + k * BLOCK + j];
+        halves[c * CHUNK + CHUNK / 2 + k * BLOCK / 2 + j] = xq[c * CHUNK + k * BLOCK + BLOCK / 2 + j];
+      }
+}
+
+// d (K / 32,) -> lanes (K / 128, 16): each chunk's four block scales, each four times
+void int4_x_scale_lanes(const float* d, int64_t K, float* lanes) {
+  for (int64_t c = 0; c < K / CHUNK; ++c)
+    for (int64_t i = 0; i < 16; ++i) lanes[c * 16 + i] = d[c * 4 + i / 4];
+}
+
+// a chunk's weight scales, one per lane: `count` (1, 2 or 4) bf16 scales from s, lane i
+// taking scale index[i]
+AVX512 __m512 chunk_scales(const at::BFloat16* s, int count, __m512i index) {
+  uint64_t bits;
+  if (count == 4) {
+    std::memcpy(&bits, s, 8);
+  } else if (count == 2) {
+    uint32_t two;
+    std::memcpy(&two, s, 4);
+    bits = two;
+  } else {
+    uint16_t one;
+    std::memcpy(&one, s, 2);
+    bits = one;
+  }
+  const __m128i fp32 = _mm_slli_epi32(_mm_cvtepu16_epi32(_mm_cvtsi64_si128((long long)bits)), 16);
+  return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(_mm_castsi128_ps(fp32)));
+}
+
 // y[r] = weight row r (of R, R <= TILE) times x's row, for r < R; the rows lie w_stride bytes
-// (and `groups` scales) apart
+// (and `groups` scales) apart. x_halves and d_lanes: int4_x_halves and int4_x_scale_lanes
+// of x's row; the last blocks short of a chunk go through the portable loop.
 template <int R>
 AVX512 void int4_tile_avx512(const uint8_t* w, int64_t w_stride, const at::BFloat16* s,
-                             const at::BFloat16* z, int64_t groups, const int8_t* xq, const float* d,
-                             const float* sums, const float* rounded, int64_t K, int group_shift, float* y) {
-  const __m256i low4 = _mm256_set1_epi8(15);
+                             const at::BFloat16* z, int64_t groups, const int8_t* xq, const int8_t* x_halves,
+                             const float* d, const float* d_lanes, const float* sums, const float* rounded,
+                             int64_t K, int group_shift, float* y) {
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const int count = group_shift >= 2 ? 1 : 4 >> group_shift;  // the groups a chunk spans
+  alignas(64) int32_t lane_scale[16];
+  for (int i = 0; i < 16; ++i) lane_scale[i] = (i / 4) >> group_shift;  // lane i: block i / 4's
+  const __m512i index = _mm512_load_si512(lane_scale);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  int64_t b = 0;
-  for (; b + 2 <= K / BLOCK; b += 2) {
-    // two blocks a step: 32 bytes of each weight row are 64 levels
-    const __m512i x = _mm512_loadu_si512(xq + b * BLOCK);  // shared by the R rows
-    const __m512 dx = two_scales(d[b], d[b + 1]);
-    const int64_t g0 = b >> group_shift, g1 = (b + 1) >> group_shift;
+  const int64_t chunks = K / CHUNK;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __m512i x_low = _mm512_loadu_si512(x_halves + c * CHUNK);  // shared by the R rows
+    const __m512i x_high = _mm512_loadu_si512(x_halves + c * CHUNK + CHUNK / 2);
+    const __m512 dx = _mm512_loadu_ps(d_lanes + c * 16);
+    const int64_t g = (c * 4) >> group_shift;
     for (int r = 0; r < R; ++r) {
       // the next tile's row at the same place, fetched ahead: R rows read side by side are R
       // streams in one page, which the CPU's own prefetcher follows less well than one
-      _mm_prefetch((const char*)(w + (r + R) * w_stride + b * BLOCK / 2), _MM_HINT_T0);
-      __m256i packed = _mm256_loadu_si256((const __m256i*)(w + r * w_stride + b * BLOCK / 2));
-      __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-      __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-      // 128-bit lanes (lo b, lo b+1, hi b, hi b+1) reordered to (lo b, hi b, lo b+1, hi b+1)
-      __m512i levels = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
-      __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), levels, x);
-      const at::BFloat16* row_s = s + r * groups;
-      __m512 sw = g0 == g1 ? _mm512_set1_ps(row_s[g0]) : two_scales(row_s[g0], row_s[g1]);
+      _mm_prefetch((const char*)(w + (r + R) * w_stride + c * CHUNK / 2), _MM_HINT_T0);
+      const __m512i packed = _mm512_loadu_si512(w + r * w_stride + c * CHUNK / 2);
+      const __m512i low = _mm512_and_si512(packed, low4);
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low, x_low), high, x_high);
+      const __m512 sw = chunk_scales(s + r * groups + g, count, index);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dx, sw), acc[r]);
     }
   }
+  const int64_t b = chunks * 4;  // the first block left: a group's first (K is whole groups)
   for (int r = 0; r < R; ++r) {
     const at::BFloat16 *row_s = s + r * groups, *row_z = z + r * groups;
     float sum = _mm512_reduce_add_ps(acc[r]) + int4_offsets_avx512(row_s, row_z, sums, rounded, groups);
-    if (b < K / BLOCK)  // an odd block: the portable loop over it alone, with its group's scale
+    if (b < K / BLOCK)
       sum += int4_row_portable(w + r * w_stride + b * BLOCK / 2, row_s + (b >> group_shift), xq + b * BLOCK,
-                               d + b, BLOCK, 0);
+                               d + b, K - b * BLOCK, group_shift);
     y[r] = sum;
   }
 }
@@ -313,6 +362,14 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const at::BFloat16* scale_data = scale.data_ptr<at::BFloat16>();
   float* y_data = y.data_ptr<float>();
   if (isa == "avx512vnni") {
+    auto halves = at::empty({M, K}, x.options().dtype(at::kChar));
+    auto lanes = at::empty({M, K / CHUNK * 16}, x.options());
+    int8_t* halves_data = halves.data_ptr<int8_t>();
+    float* lanes_data = lanes.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) {
+      int4_x_halves(xq_data + m * K, K, halves_data + m * K);
+      int4_x_scale_lanes(d_data + m * (K / BLOCK), K, lanes_data + m * (K / CHUNK * 16));
+    }
     // tiles of TILE weight rows, each against every row of x while it is in the L1 cache
     at::parallel_for(0, N, 16, [&](int64_t first, int64_t end) {
       for (int64_t n = first; n < end; n += TILE) {
@@ -364,6 +421,14 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
   const float *sums = group_sums.data_ptr<float>(), *rounded = rounded_sums.data_ptr<float>();
   float* y_data = y.data_ptr<float>();
   if (isa == "avx512vnni") {
+    auto halves = at::empty({M, K}, x.options().dtype(at::kChar));
+    auto lanes = at::empty({M, K / CHUNK * 16}, x.options());
+    int8_t* halves_data = halves.data_ptr<int8_t>();
+    float* lanes_data = lanes.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) {
+      int4_x_halves(xq_data + m * K, K, halves_data + m * K);
+      int4_x_scale_lanes(d_data + m * (K / BLOCK), K, lanes_data + m * (K / CHUNK * 16));
+    }
     // tiles of TILE weight rows, each against every row of x while it is in the L1 cache
     at::parallel_for(0, N, 16, [&](int64_t first, int64_t end) {
       for (int64_t n = first; n < end; n += TILE) {
@@ -371,8 +436,8 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
                   : end - n == 2 ? int4_tile_avx512<2> : int4_tile_avx512<1>;  // the chunk's last rows
         for (int64_t m = 0; m < M; ++m)
           tile(w + n * K / 2, K / 2, s + n * groups, z + n * groups, groups, xq_data + m * K,
-               d_data + m * (K / BLOCK), sums + m * groups, rounded + m * groups, K, group_shift,
-               y_data + m * N + n);
+               halves_data + m * K, d_data + m * (K / BLOCK), lanes_data + m * (K / CHUNK * 16),
+               sums + m * groups, rounded + m * groups, K, group_shift, y_data + m * N + n);
       }
     });
     return y;
