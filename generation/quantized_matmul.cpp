@@ -362,14 +362,6 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const at::BFloat16* scale_data = scale.data_ptr<at::BFloat16>();
   float* y_data = y.data_ptr<float>();
   if (isa == "avx512vnni") {
-    auto halves = at::empty({M, K}, x.options().dtype(at::kChar));
-    auto lanes = at::empty({M, K / CHUNK * 16}, x.options());
-    int8_t* halves_data = halves.data_ptr<int8_t>();
-    float* lanes_data = lanes.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) {
-      int4_x_halves(xq_data + m * K, K, halves_data + m * K);
-      int4_x_scale_lanes(d_data + m * (K / BLOCK), K, lanes_data + m * (K / CHUNK * 16));
-    }
     // tiles of TILE weight rows, each against every row of x while it is in the L1 cache
     at::parallel_for(0, N, 16, [&](int64_t first, int64_t end) {
       for (int64_t n = first; n < end; n += TILE) {
