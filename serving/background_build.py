@@ -13,11 +13,12 @@ has finished at each lone step (a waitpid, no blocking); the first lone request 
 has loads the step from the cache (a fraction of a second, once) and every later one
 takes it, as a start with the build cached does. The child's output goes to a log file,
 named in the one line said when the build fails and removed when it succeeds; the child
-is ended with the server.
+is ended with the server (by SIGINT: its half-built files are removed).
 """
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,9 +60,12 @@ class BackgroundBuild:
         return False
 
     def stop(self):
-        """End the child (the server is stopping) and remove its log."""
+        """End the child (the server is stopping) and remove its log. By SIGINT, as Ctrl-C:
+        the child's build then removes its half-built files from the cache folder
+        (generation/step_cache.py), which SIGTERM's immediate end would leave there."""
         if self.process is not None:
-            self.process.terminate()
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
