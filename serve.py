@@ -36,8 +36,8 @@ if __name__ == "__main__":  # run as a command; importing this file changes noth
 from kv_cache import CACHED_MODELS  # noqa: E402
 from kv_quant import KV_DTYPES  # noqa: E402
 from plumbing.cli import (ArgumentParser, add_compile_cache_arg, add_model_args,  # noqa: E402
-                          add_speculation_args, check_speculate, check_speculation_args, load_from_args,
-                          positive_int, use_compile_cache_arg)
+                          add_speculation_args, check_speculate, check_speculation_args, load_draft,
+                          load_from_args, positive_int, use_compile_cache_arg)
 from serving.admission import SERVING_CONTEXT_POLICIES, Limits  # noqa: E402
 from serving.scheduler import MAX_STEP_TOKENS  # noqa: E402
 
@@ -105,7 +105,7 @@ def parse_args():
                    "'reprefill' accepts it and keeps going past the context, keeping the newest "
                    "half (docs/generation.md, past the context). generate.py's 'sinks' is not "
                    "one of the server's: its paged pool does not move cached keys")
-    add_speculation_args(p, draft=False)
+    add_speculation_args(p)
     add_limit_args(p)
     args = p.parse_args()
     use_compile_cache_arg(p, args)
@@ -113,9 +113,6 @@ def parse_args():
         p.error("--build-only builds the compiled step into the cache; drop --no-compile and "
                 "--no-compile-cache")
     check_speculation_args(p, args)
-    if args.draft is not None:
-        p.error("--draft: the engine proposes by prompt lookup only (a draft model is "
-                "generate.py's); use --prompt-lookup N")
     if args.context_policy not in SERVING_CONTEXT_POLICIES:
         why = (": sinks is generate.py's policy (the paged pool does not move cached keys)"
                if args.context_policy == "sinks" else "")
@@ -171,10 +168,14 @@ def main():
         import jinja2  # noqa: F401  (for chat templates)
     except ImportError as e:
         raise UserError(f"serve.py needs {e.name}: pip install -r requirements.txt") from None
-    model, tokenizer, _ = load_from_args(CACHED_MODELS, args)
+    model, tokenizer, device = load_from_args(CACHED_MODELS, args)
     if args.speculate:
         check_speculate(args.speculate, model)
-    engine = make_engine(args, model, tokenizer)
+    # a draft proposes for the engine's speculating requests (serving/speculation.py); a
+    # --build-only child builds the model's lone step, which needs none
+    draft = (load_draft(CACHED_MODELS, args.draft, tokenizer, device, args)
+             if args.draft is not None and not args.build_only else None)
+    engine = make_engine(args, model, tokenizer, draft)
     if args.build_only:
         if engine.runner.lone is None:
             raise UserError(f"--build-only: a pool stored as {args.kv_dtype} decodes a request alone "
@@ -195,9 +196,9 @@ def main():
             build.stop()
 
 
-def make_engine(args, model, tokenizer):
+def make_engine(args, model, tokenizer, draft=None):
     """The engine the flags ask for (a --build-only child's: the same, compiling its lone
-    step, so that the build is the one the parent's start looks up)."""
+    step, so that the build is the one the parent's start looks up), with draft proposing."""
     from serving.engine import Engine
     from serving.model_runner import IF_CACHED
     try:
@@ -207,7 +208,7 @@ def make_engine(args, model, tokenizer):
                       attention=args.attention,
                       limits=limits_from_args(args), kv_dtype=args.kv_dtype,
                       compile=True if args.build_only else IF_CACHED if args.compile is None else args.compile,
-                      speculate=args.speculate or 0, prompt_lookup=args.prompt_lookup or 3)
+                      speculate=args.speculate or 0, prompt_lookup=args.prompt_lookup or 3, draft=draft)
     except ValueError as e:  # before anything is allocated: a pool too small or too large, a
         # head size a quantized pool cannot pack
         raise UserError(f"--num-blocks {args.num_blocks or '(default)'}, --tokens-per-block "

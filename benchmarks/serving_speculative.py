@@ -34,17 +34,17 @@ from benchmarks.serving import workload  # noqa: E402
 from benchmarks.speculative import HELDOUT, heldout_prompts  # noqa: E402
 from benchmarks.timing import alternate, spread  # noqa: E402
 from kv_cache import CACHED_MODELS  # noqa: E402
-from plumbing.cli import (ArgumentParser, add_model_args, load_from_args, ngram_size,  # noqa: E402
-                          positive_int)
+from plumbing.cli import (ArgumentParser, add_model_args, load_draft, load_from_args,  # noqa: E402
+                          ngram_size, positive_int)
 from serving.admission import Limits  # noqa: E402
 from serving.engine import Engine, SamplingParams  # noqa: E402
 
 GREEDY = dict(temperature=0, stop_at_eot=False)
 
 
-def new_engine(model, tokenizer, args, speculate):
+def new_engine(model, tokenizer, args, speculate, draft=None):
     engine = Engine(model, tokenizer, compile=args.compile, speculate=speculate,
-                    prompt_lookup=args.prompt_lookup,
+                    prompt_lookup=args.prompt_lookup, draft=draft,
                     limits=Limits(max_waiting=max(Limits().max_waiting, args.requests)))
     engine.warm_up()  # compiles the decode step: not part of any measurement
     return engine
@@ -86,10 +86,12 @@ def report(name, results):
 
 def main():
     p = ArgumentParser(description="The serving engine with and without speculative decoding "
-                       "(prompt lookup): one request on a repetitive prompt, and a workload.")
+                       "(prompt lookup, or --draft): one request on a repetitive prompt, and a workload.")
     add_model_args(p)
     p.add_argument("--speculate", type=positive_int, default=8, help="proposals per step (default: 8)")
     p.add_argument("--prompt-lookup", type=ngram_size, default=3, help="longest n-gram (default: 3)")
+    p.add_argument("--draft", metavar="CKPT_OR_DIR", help="propose with this draft model instead of "
+                   "prompt lookup (serve.py --draft; bundled: checkpoints/shakespeare-draft/ckpt.pt)")
     p.add_argument("--tokens", type=positive_int, default=128,
                    help="new tokens of the one request (default: 128)")
     p.add_argument("--requests", type=positive_int, default=64, help="the workload's (default: 64)")
@@ -102,12 +104,14 @@ def main():
     args = p.parse_args()
     if args.quick:
         args.tokens, args.requests, args.output_len, args.reps = 64, 16, 32, 1
-    model, tokenizer, _ = load_from_args(CACHED_MODELS, args)
+    model, tokenizer, device = load_from_args(CACHED_MODELS, args)
+    draft = None if args.draft is None else load_draft(CACHED_MODELS, args.draft, tokenizer, device, args)
     prompt = heldout_prompts(tokenizer, HELDOUT.read_text(encoding="utf-8"), 1, 32)[0] * 4
     engines = {"plain": new_engine(model, tokenizer, args, 0),
-               "speculate": new_engine(model, tokenizer, args, args.speculate)}
-    print(f"{torch.get_num_threads()} threads; speculate {args.speculate}, prompt lookup "
-          f"{args.prompt_lookup}, compile {args.compile}; median (min-max) of {args.reps}")
+               "speculate": new_engine(model, tokenizer, args, args.speculate, draft)}
+    proposer = f"draft {args.draft}" if draft is not None else f"prompt lookup {args.prompt_lookup}"
+    print(f"{torch.get_num_threads()} threads; speculate {args.speculate}, {proposer}, "
+          f"compile {args.compile}; median (min-max) of {args.reps}")
 
     one = alternate({k: one_request(e, prompt, args.tokens) for k, e in engines.items()}, args.reps)
     proposed, accepted = engines["speculate"].proposed_tokens, engines["speculate"].accepted_tokens

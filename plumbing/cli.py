@@ -202,13 +202,13 @@ def use_compile_cache_arg(parser, args):
 
 # ---------------------------------------------------------------------------- speculation
 
-def add_speculation_args(parser, draft=True):
-    """--speculate K and its proposer (generation/speculative.py). draft=False: --draft is
-    not listed in --help (the caller refuses it, saying why)."""
+def add_speculation_args(parser):
+    """--speculate K and its proposer (generation/speculative.py; serve.py's engine:
+    serving/speculation.py)."""
     parser.add_argument("--speculate", type=positive_int, metavar="K", help="speculative "
                         "decoding: propose K tokens per step and check them in one pass of the "
                         "model (greedy text unchanged, sampling from the same distribution); "
-                        "with --prompt-lookup" + (" or --draft" if draft else " N, for every request"))
+                        "with --prompt-lookup or --draft")
     proposer = parser.add_mutually_exclusive_group()
     proposer.add_argument("--prompt-lookup", type=ngram_size, metavar="N", help="propose what "
                           "followed the last up-to-N tokens (N: 1..16) where they occurred before, "
@@ -216,7 +216,7 @@ def add_speculation_args(parser, draft=True):
     proposer.add_argument("--draft", metavar="CKPT_OR_DIR", help="propose with a smaller model "
                           "that has the same tokenizer: a checkpoint file or a Hugging Face "
                           "directory (bundled: checkpoints/shakespeare-draft/ckpt.pt); it loads "
-                          "with the same --device, --dtype and --quantize" if draft else argparse.SUPPRESS)
+                          "with the same --device, --dtype and --quantize")
 
 
 def ngram_size(text):

@@ -38,13 +38,13 @@ from serving.model_runner import ModelRunner
 from serving.paged_cache import BlockPool, check_pool_fits, default_num_blocks
 from serving.requests import Output, Request, SamplingParams
 from serving.scheduler import FINISHED, MAX_STEP_TOKENS, Scheduler
-from serving.speculation import Lookup, add_proposals
+from serving.speculation import Draft, Lookup, add_proposals
 
 
 class Engine:
     def __init__(self, model, tokenizer, num_blocks=None, tokens_per_block=16, max_batch=64,
                  max_prefill_tokens=2048, attention="kernel", limits=None, compile=False, kv_dtype=None,
-                 max_step_tokens=MAX_STEP_TOKENS, speculate=0, prompt_lookup=3):
+                 max_step_tokens=MAX_STEP_TOKENS, speculate=0, prompt_lookup=3, draft=None):
         """num_blocks: the pool's size (default_num_blocks by default); when it runs out,
         the scheduler preempts.
         max_step_tokens: a step's token budget (scheduler.py): the decode pass's tokens,
@@ -65,11 +65,19 @@ class Engine:
         model's dtype): "int8" or "int4" hold several times the blocks in the same bytes.
         speculate, prompt_lookup: the speculative decoding of a request whose SamplingParams
         leave them None (speculation.py): up to `speculate` tokens proposed per step (0:
-        none) by prompt lookup of n-grams up to `prompt_lookup` long."""
+        none) by prompt lookup of n-grams up to `prompt_lookup` long.
+        draft: a smaller cached model with the tokenizer's ids (plumbing.cli.load_draft), whose
+        greedy tokens a speculating request is proposed instead, unless its SamplingParams
+        name a prompt_lookup (speculation.Draft); ValueError where its vocabulary is smaller
+        than the tokenizer's."""
         if attention not in ("kernel", "gather"):
             raise ValueError(f"attention must be 'kernel' or 'gather', got {attention!r}")
         SamplingParams(speculate=speculate, prompt_lookup=prompt_lookup).check()
         self.speculation = speculate, prompt_lookup
+        if draft is not None and draft.config.vocab_size < tokenizer.n_vocab:  # q must cover p's tokens
+            raise ValueError(f"the draft's vocabulary of {draft.config.vocab_size} tokens is smaller "
+                             f"than the tokenizer's {tokenizer.n_vocab}")
+        self.draft = draft
         self.model, self.tokenizer = model, tokenizer
         self.limits = Limits() if limits is None else limits
         config, weight = model.config, model.lm_head.weight
@@ -133,8 +141,14 @@ class Engine:
                 n if params.prompt_lookup is None else params.prompt_lookup)
 
     def lookup_for(self, params, prompt):
+        """A speculating request's proposer: the draft's, or prompt lookup (a request naming
+        prompt_lookup, or an engine without a draft); None for one that does not speculate."""
         k, max_ngram = self.speculation_of(params)
-        return Lookup(k, max_ngram, prompt) if k else None
+        if not k:
+            return None
+        if self.draft is not None and params.prompt_lookup is None:
+            return Draft(self.draft, k, self.tokenizer.n_vocab)
+        return Lookup(k, max_ngram, prompt)
 
     def add_request(self, prompt, params, on_output=lambda request, output: None):
         """submit() of one prompt and one sample: the Request."""

@@ -169,7 +169,9 @@ CASES = [  # (script, args, what the error line must mention)
     ("serve.py", ["--ckpt", "{d}/tiny.pt", "--build-only", "--kv-dtype", "int8"], "there is no compiled step to build"),
     ("serve.py", ["--speculate", "4"], "--speculate K needs a proposer"),
     ("serve.py", ["--prompt-lookup", "3"], "also give --speculate K"),
-    ("serve.py", ["--speculate", "4", "--draft", "{d}/good.pt"], "the engine proposes by prompt lookup only"),
+    ("serve.py", ["--draft", "{d}/good.pt"], "--draft: also give --speculate K"),
+    ("serve.py", ["--ckpt", "{d}/tiny.pt", "--speculate", "2", "--draft", "{d}/swapped.pt"],
+     "token 97 is b'b', the model's b'a'"),
     ("serve.py", ["--ckpt", "{d}/tiny.pt", "--speculate", "100000", "--prompt-lookup", "3"], "use at most"),
 ]
 if importlib.util.find_spec("matplotlib") is None:  # found before the run, not after it

@@ -152,6 +152,44 @@ def test_settings_that_have_no_meaning_are_refused(model):
         Engine(model, TOKENIZER, speculate=2, prompt_lookup=0)
 
 
+# ---------------------------------------------------------------------------- a draft model
+
+@pytest.mark.parametrize("draft_of", ["itself", "another", "a short context"])
+def test_a_drafts_greedy_text_is_the_text_without_speculation(model, draft_of):
+    # serve.py --draft: a speculating request is proposed the draft's greedy tokens. The
+    # model as its own draft (every proposal taken), another random model (most rejected:
+    # the draft's cache rolls back to what the text keeps), and one whose context (16) the
+    # requests outgrow (the draft starts again from the text's newest part)
+    draft = {"itself": model, "another": tiny_model(CONFIG, seed=8),
+             "a short context": tiny_model(GPTConfig(context_len=16, vocab_size=260, n_layer=1, n_head=2,
+                                                     n_embd=32), seed=9)}[draft_of]
+    prompts = [REPEATING, *random_prompts([1, 9, 40], seed=2)]
+    plain = generate(Engine(model, TOKENIZER, tokens_per_block=8), prompts, [0] * 4, max_tokens=100, **GREEDY)
+    engine = Engine(model, TOKENIZER, tokens_per_block=8, draft=draft)
+    assert generate(engine, prompts, [4, 0, 3, 6], max_tokens=100, **GREEDY) == plain
+    stats = engine.stats()
+    if draft_of == "itself":
+        assert stats["accepted_tokens"] == stats["proposed_tokens"] > 0
+    else:
+        assert 0 < stats["accepted_tokens"] < stats["proposed_tokens"]
+    assert_pool_is_whole(engine)
+
+
+def test_a_request_naming_prompt_lookup_keeps_it_beside_a_draft(model):
+    engine = Engine(model, TOKENIZER, draft=tiny_model(CONFIG, seed=8))
+    drafted = engine.add_request(REPEATING, SamplingParams(max_tokens=5, speculate=2, **GREEDY))
+    looked_up = engine.add_request(REPEATING, SamplingParams(max_tokens=5, speculate=2, prompt_lookup=2,
+                                                            **GREEDY))
+    assert type(drafted.lookup).__name__ == "Draft" and type(looked_up.lookup).__name__ == "Lookup"
+    engine.run_until_done()
+
+
+def test_a_draft_with_fewer_tokens_than_the_tokenizer_is_refused(model):
+    short = tiny_model(GPTConfig(context_len=64, vocab_size=200, n_layer=1, n_head=2, n_embd=32))
+    with pytest.raises(ValueError, match="vocabulary of 200 tokens is smaller than the tokenizer's 257"):
+        Engine(model, TOKENIZER, draft=short)
+
+
 # ---------------------------------------------------------------------------- distribution
 
 class Letters:
@@ -170,12 +208,14 @@ def small():
     return model
 
 
-def engine_samples(model, n, wave=32, **params):
-    """The first L tokens of n samples of PROMPT, speculating (3 proposals, 2-grams), in
-    waves of `wave` requests so that the batch leaves rows for proposals."""
+def engine_samples(model, n, wave=32, draft=None, **params):
+    """The first L tokens of n samples of PROMPT, speculating (3 proposals: 2-grams, or the
+    draft's greedy tokens), in waves of `wave` requests so that the batch leaves rows for
+    proposals."""
     torch.manual_seed(5)
-    engine = Engine(model, Letters(), max_batch=4 * wave, tokens_per_block=4)
-    params = SamplingParams(max_tokens=L, stop_at_eot=False, speculate=3, prompt_lookup=2, **params)
+    engine = Engine(model, Letters(), max_batch=4 * wave, tokens_per_block=4, draft=draft)
+    lookup = {} if draft is not None else dict(prompt_lookup=2)
+    params = SamplingParams(max_tokens=L, stop_at_eot=False, speculate=3, **lookup, **params)
     samples = []
     for _ in range(n // wave):
         requests = engine.submit([PROMPT], [params] * wave)
@@ -192,6 +232,14 @@ def test_sampling_keeps_the_models_distribution(small, sampling):
     samples, engine = engine_samples(small, 8000, **sampling)
     assert chi_square_p_value(samples, exact_distribution(small, **sampling)) > 1e-4
     assert 0 < engine.accepted_tokens < engine.proposed_tokens  # both branches of the rule
+
+
+def test_sampling_with_a_draft_keeps_the_models_distribution(small):
+    """The draft's greedy proposals, checked as prompt lookup's are (q a point mass)."""
+    draft = tiny_model(GPTConfig(context_len=16, vocab_size=V, n_layer=1, n_head=2, n_embd=16), seed=42)
+    samples, engine = engine_samples(small, 8000, draft=draft, temperature=1.0)
+    assert chi_square_p_value(samples, exact_distribution(small, temperature=1.0)) > 1e-4
+    assert 0 < engine.accepted_tokens < engine.proposed_tokens
 
 
 def test_the_distribution_test_catches_a_wrong_rule_through_the_engine(small, monkeypatch):
