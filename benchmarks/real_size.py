@@ -102,7 +102,10 @@ def write_random_hf_dir(config, out):
             tensors = {n: random_weight(shapes[n], generator) for n in names}
             save_file(tensors, tmp / file, metadata={"format": "pt"})
         weight_map = {n: file for file, names in shards.items() for n in names}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        # transformers (5.x) reads metadata.total_size too: without it the index is refused
+        total_size = sum(shapes[n].numel() * 2 for n in weight_map)  # bf16
+        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 def placeholder_with_end():

@@ -41,6 +41,19 @@ def test_random_directory_loads_in_bfloat16_as_the_file_holds_it(tiny_dir):
     assert fp32.model.layers[0].mlp.up_proj.weight.t().is_contiguous()  # fp32: column-major
 
 
+def test_random_directory_loads_in_transformers_with_our_logits(tiny_dir):
+    # the directory is a Hugging Face one for its peers too (CTranslate2's and OpenVINO's
+    # converters load it through transformers, which refuses a shard index without its
+    # metadata.total_size); the same weights give the same logits, within fp32's rounding
+    # of two implementations' different operation orders
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    ours, _ = load_hf_model(CACHED_MODELS, tiny_dir, dtype=torch.float32, report=lambda line: None)
+    ids = torch.tensor([[5, 17, 42, 99, 3, 200]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids)[0], theirs(ids).logits, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
 def test_one_value_not_finite_anywhere_is_found(dtype, bad):
