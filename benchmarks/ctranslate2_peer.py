@@ -1,0 +1,104 @@
+"""
+CTranslate2 beside ours at a real model's shape: the same Hugging Face directory (the one
+`python -m benchmarks.real_size` writes), converted by CTranslate2's own converter and run by
+its Generator on the CPU, decode and prefill timed as benchmarks/llama_speed.py times ours.
+
+CTranslate2 is a peer, not a dependency: it lives in a virtual environment of its own, with
+torch kept at the project's pin (its converter loads the model through transformers):
+
+    python -m venv /tmp/ct2-venv && . /tmp/ct2-venv/bin/activate
+    pip install torch==2.13.0 ctranslate2==4.8.5 transformers safetensors
+    python -m benchmarks.ctranslate2_peer ~/.cache/kvcache-gpt/real-size/1b/hf
+
+It imports nothing of this project's (that environment has none of its packages). Each
+compute type CTranslate2 offers on this CPU and we have a row for is run: float32 (our fp32)
+and int8 (our --quantize int8: per-row int8 weights, as ours); it has no bfloat16 on a CPU.
+The directory is converted once per type under --cache-dir (float32 and int8 weights).
+Decode: a 16-token random prompt, 32 greedy tokens (min_length 32: no early end), the tokens
+after the first timed as llama-bench's tg is; prefill: one pass over a 512-token random
+prompt (the time to its first token). The first run of each is a warm-up; the median and
+the min-max of --reps after it, 2 threads (intra_threads), as ours.
+"""
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+COMPUTE_TYPES = {"float32": "fp32", "int8": "int8"}  # CTranslate2's -> our row
+PROMPT_TOKENS, NEW_TOKENS, PREFILL_TOKENS = 16, 32, 512
+BYTE_TOKENS = 256  # the random prompts draw from the first ids, which every vocabulary has
+
+
+def converted(model_dir, cache_dir, compute_type):
+    """The CTranslate2 model of model_dir with weights of compute_type, converted once."""
+    out = cache_dir / compute_type
+    if not (out / "model.bin").is_file():
+        from ctranslate2.converters import TransformersConverter
+        TransformersConverter(str(model_dir)).convert(str(out), quantization=compute_type, force=True)
+    return out
+
+
+def decode_speed(generator, prompt):
+    """Tokens/s of the NEW_TOKENS - 1 greedy tokens after the first."""
+    times = []
+    for _ in generator.generate_tokens(prompt, max_length=NEW_TOKENS, min_length=NEW_TOKENS, sampling_topk=1):
+        times.append(time.perf_counter())
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def prefill_speed(generator, prompt):
+    """Prompt tokens/s of the pass that makes the first token."""
+    start = time.perf_counter()
+    next(iter(generator.generate_tokens(prompt, max_length=1, min_length=1, sampling_topk=1)))
+    return len(prompt) / (time.perf_counter() - start)
+
+
+def measure(path, compute_type, threads, reps):
+    import ctranslate2
+    vocabulary = json.loads((path / "vocabulary.json").read_text(encoding="utf-8"))
+    generator = ctranslate2.Generator(str(path), device="cpu", compute_type=compute_type,
+                                      inter_threads=1, intra_threads=threads)
+    rng = random.Random(0)
+    prompt = [vocabulary[rng.randrange(BYTE_TOKENS)] for _ in range(PROMPT_TOKENS)]
+    long_prompt = [vocabulary[rng.randrange(BYTE_TOKENS)] for _ in range(PREFILL_TOKENS)]
+    figures = {}
+    for name, timed, tokens in (("decode", decode_speed, prompt), ("prefill", prefill_speed, long_prompt)):
+        runs = [timed(generator, tokens) for _ in range(reps + 1)][1:]  # the first: a warm-up
+        figures[name] = {"median": statistics.median(runs), "min": min(runs), "max": max(runs)}
+    return figures
+
+
+def main():
+    p = argparse.ArgumentParser(description="CTranslate2's decode and prefill speed on a Hugging "
+                                "Face directory, for the table beside ours (run in its own venv)")
+    p.add_argument("model_dir", type=Path, help="a Llama-family Hugging Face directory "
+                   "(python -m benchmarks.real_size writes one)")
+    p.add_argument("--cache-dir", type=Path, default=Path("/tmp/ct2-models"),
+                   help="where the converted models are kept (default: /tmp/ct2-models)")
+    p.add_argument("--threads", type=int, default=2, help="intra_threads (default: 2)")
+    p.add_argument("--reps", type=int, default=3, help="timed runs after a warm-up (default: 3)")
+    args = p.parse_args()
+    try:
+        import ctranslate2  # noqa: F401
+    except ImportError:
+        sys.exit("ctranslate2_peer.py: ctranslate2 is not installed here; the module docstring "
+                 "says how to make its environment")
+    if not (args.model_dir / "config.json").is_file():
+        sys.exit(f"ctranslate2_peer.py: {args.model_dir} is not a Hugging Face directory (no config.json)")
+    print(f"CTranslate2 {ctranslate2.__version__}, {args.threads} threads, {args.model_dir}; "
+          f"median [min-max] of {args.reps} after a warm-up")
+    print(f"| CTranslate2 compute type (our row) | decode tok/s ({NEW_TOKENS} greedy after "
+          f"{PROMPT_TOKENS}) | prefill tok/s ({PREFILL_TOKENS} tokens) |")
+    print("|---|---|---|")
+    for compute_type, ours in COMPUTE_TYPES.items():
+        f = measure(converted(args.model_dir, args.cache_dir, compute_type), compute_type, args.threads, args.reps)
+        cells = [f"{f[k]['median']:.1f} [{f[k]['min']:.1f}-{f[k]['max']:.1f}]" for k in ("decode", "prefill")]
+        print(f"| {compute_type} ({ours}) | {cells[0]} | {cells[1]} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
