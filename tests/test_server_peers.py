@@ -12,6 +12,16 @@ import pytest
 from conftest import ROOT, run_script
 
 LLAMA_SERVER = os.environ.get("LLAMA_SERVER")
+needs_llama_server = pytest.mark.skipif(not LLAMA_SERVER, reason="set LLAMA_SERVER to a llama-server binary "
+                                        "(python -m benchmarks.server_peers --build DIR) to run both servers")
+
+
+def run_benchmark(module, out, *args):
+    """python -m MODULE --llama-server $LLAMA_SERVER ARGS --json OUT: the JSON it wrote."""
+    proc = subprocess.run([sys.executable, "-m", module, "--llama-server", LLAMA_SERVER, *args,
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text())
 
 
 def test_a_missing_binary_is_one_line(tmp_path):
@@ -25,15 +35,10 @@ def test_one_action_is_required():
     assert proc.returncode == 2 and "--build" in proc.stderr
 
 
-@pytest.mark.skipif(not LLAMA_SERVER, reason="set LLAMA_SERVER to a llama-server binary "
-                    "(python -m benchmarks.server_peers --build DIR) to run both servers")
+@needs_llama_server
 def test_both_servers_answer_the_same_load(tmp_path):
-    out = tmp_path / "peers.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.server_peers", "--llama-server",
-                           LLAMA_SERVER, "--requests", "2", "--output-len", "8", "--rounds", "1",
-                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(out.read_text())
+    result = run_benchmark("benchmarks.server_peers", tmp_path / "peers.json",
+                           "--requests", "2", "--output-len", "8", "--rounds", "1")
     assert result["errors"] == {"ours": 0, "llama_server": 0}
     assert all(result[w]["ours_tok_s"]["median"] > 0 and result[w]["llama_server_tok_s"]["median"] > 0
                for w in ("many", "one"))
@@ -49,17 +54,12 @@ def test_the_long_prompt_workload_needs_its_binary_and_a_positive_pace(tmp_path)
     assert proc.returncode == 2 and "--start and --every must be more than 0" in proc.stderr
 
 
-@pytest.mark.skipif(not LLAMA_SERVER, reason="set LLAMA_SERVER to a llama-server binary "
-                    "(python -m benchmarks.server_peers --build DIR) to run both servers")
+@needs_llama_server
 def test_both_servers_take_long_prompts_among_decoding_streams(tmp_path):
-    out = tmp_path / "long.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.long_prompts_peers", "--llama-server",
-                           LLAMA_SERVER, "--shape", "tiny", "--streams", "2", "--stream-tokens", "900",
-                           "--prompt-len", "300", "--long-prompts", "2", "--start", "0.2", "--every", "0.2",
-                           "--reps", "1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr
-    servers = json.loads(out.read_text())["servers"]
+    result = run_benchmark("benchmarks.long_prompts_peers", tmp_path / "long.json", "--shape", "tiny",
+                           "--streams", "2", "--stream-tokens", "900", "--prompt-len", "300",
+                           "--long-prompts", "2", "--start", "0.2", "--every", "0.2", "--reps", "1")
+    servers = result["servers"]
     for figures in servers.values():  # each server's streams went on decoding through the window
         assert 0 < figures["itl_p50_ms"]["median"] <= figures["itl_p99_ms"]["median"]
         assert figures["tok_s"]["median"] > 0 and figures["ttft_ms"]["median"] > 0
