@@ -39,6 +39,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <cmath>
 #include <string>
@@ -256,6 +257,14 @@ void int4_x_scale_lanes(const float* d, int64_t K, float* lanes) {
     for (int64_t i = 0; i < 16; ++i) lanes[c * 16 + i] = d[c * 4 + i / 4];
 }
 
+// lane i of a chunk's 16 sums is block i / 4's, whose scale is the (i / 4 >> group_shift)-th
+// of those chunk_scales loads (once per product, not per tile)
+std::array<int32_t, 16> int4_lane_scales(int group_shift) {
+  std::array<int32_t, 16> lanes;
+  for (int i = 0; i < 16; ++i) lanes[i] = (i / 4) >> group_shift;
+  return lanes;
+}
+
 // a chunk's weight scales, one per lane: `count` (1, 2 or 4) bf16 scales from s, lane i
 // taking scale index[i]
 AVX512 __m512 chunk_scales(const at::BFloat16* s, int count, __m512i index) {
@@ -277,17 +286,16 @@ AVX512 __m512 chunk_scales(const at::BFloat16* s, int count, __m512i index) {
 
 // y[r] = weight row r (of R, R <= TILE) times x's row, for r < R; the rows lie w_stride bytes
 // (and `groups` scales) apart. x_halves and d_lanes: int4_x_halves and int4_x_scale_lanes
-// of x's row; the last blocks short of a chunk go through the portable loop.
+// of x's row; lane_scale[i]: which of a chunk's scales lane i takes (int4_lane_scales); the
+// last blocks short of a chunk go through the portable loop.
 template <int R>
 AVX512 void int4_tile_avx512(const uint8_t* w, int64_t w_stride, const at::BFloat16* s,
                              const at::BFloat16* z, int64_t groups, const int8_t* xq, const int8_t* x_halves,
                              const float* d, const float* d_lanes, const float* sums, const float* rounded,
-                             int64_t K, int group_shift, float* y) {
+                             int64_t K, int group_shift, const int32_t* lane_scale, float* y) {
   const __m512i low4 = _mm512_set1_epi8(15);
   const int count = group_shift >= 2 ? 1 : 4 >> group_shift;  // the groups a chunk spans
-  alignas(64) int32_t lane_scale[16];
-  for (int i = 0; i < 16; ++i) lane_scale[i] = (i / 4) >> group_shift;  // lane i: block i / 4's
-  const __m512i index = _mm512_load_si512(lane_scale);
+  const __m512i index = _mm512_loadu_si512(lane_scale);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t chunks = K / CHUNK;
@@ -421,6 +429,7 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
       int4_x_halves(xq_data + m * K, K, halves_data + m * K);
       int4_x_scale_lanes(d_data + m * (K / BLOCK), K, lanes_data + m * (K / CHUNK * 16));
     }
+    const std::array<int32_t, 16> lane_scale = int4_lane_scales(group_shift);
     // tiles of TILE weight rows, each against every row of x while it is in the L1 cache
     at::parallel_for(0, N, 16, [&](int64_t first, int64_t end) {
       for (int64_t n = first; n < end; n += TILE) {
@@ -429,7 +438,7 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
         for (int64_t m = 0; m < M; ++m)
           tile(w + n * K / 2, K / 2, s + n * groups, z + n * groups, groups, xq_data + m * K,
                halves_data + m * K, d_data + m * (K / BLOCK), lanes_data + m * (K / CHUNK * 16),
-               sums + m * groups, rounded + m * groups, K, group_shift, y_data + m * N + n);
+               sums + m * groups, rounded + m * groups, K, group_shift, lane_scale.data(), y_data + m * N + n);
       }
     });
     return y;
