@@ -40,8 +40,8 @@ The kernels, three of them (`kernel=`), chosen per Linear where it is made:
               bf16 GEMM, ~4.7x its fp32 one on a Zen 4 EPYC), else in fp32.
               int4 weights lie two to a byte in its own order (quantized_matmul.pack_int4).
               Its int8_quantize / int4_quantize operators quantize a weight in one pass
-              (the numbers of quantize_int8 / quantize_int4 to the bit, no temporaries: a
-              1B model's loading in ~1 s instead of ~4).
+              (the numbers of quantize_int8 / quantize_int4 to the bit, no temporaries: an
+              8192 x 2048 bf16 weight in 7 ms against 36 on the Xeon, AVX-512).
   "torch"     on the CPU where ours cannot be built (or a width is not a multiple of 32):
               torch._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu (with
               aten._convert_weight_to_int4pack_for_cpu for its packed layout), fast only
