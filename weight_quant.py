@@ -31,7 +31,9 @@ The two schemes, for a weight W of shape (out, in), row n = output channel n:
         A model whose widths 64 does not divide gets 32 (int4_group_size).
 
 The kernels, three of them (`kernel=`), chosen per Linear where it is made:
-  "ours"      on the CPU: generation/quantized_matmul.cpp, built on first use, fed fp32;
+  "ours"      on the CPU: generation/quantized_matmul.cpp, built on first use, fed the
+              model's fp32 or bf16 as it is (no conversion either side: at the 1B shape
+              in bf16 that was 226 operations and ~3 ms of a 55 ms token);
               it quantizes the activations in blocks of 32 and reads each weight once,
               1.5-8x torch's speed at one row on an AVX2 EPYC (docs/log/benchmarks-round-8.md);
               from FLOAT_MATMUL_ROWS rows on, a float matmul of the weight dequantized
@@ -165,9 +167,10 @@ class QuantizedLinear(nn.Module):
         # ours' instruction set, asked once here: forward() calls the operator by its name,
         # which torch.compile traces (it cannot trace the library's loading)
         self.isa = quantized_matmul.best_isa() if self.kernel == "ours" else None
-        # what the matmul runs in: fp32 for ours, bf16 for torch's, else the model's own dtype
-        self.compute_dtype = activation_dtype or {"ours": torch.float32, "torch": KERNEL_DTYPE}.get(
-            self.kernel, self.dtype)
+        # what the matmul is fed: for ours the model's dtype where it takes it (fp32, bf16),
+        # else fp32; bf16 for torch's; the model's own dtype for the portable path
+        ours = self.dtype if self.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        self.compute_dtype = activation_dtype or {"ours": ours, "torch": KERNEL_DTYPE}.get(self.kernel, self.dtype)
         # the scales: bf16 for ours, what torch's kernels are fed for theirs, else the model's
         self.scale_dtype = {"ours": KERNEL_DTYPE, "torch": self.compute_dtype}.get(self.kernel, self.dtype)
         # what a prompt's rows multiply in (dequantized_matmul), asked once here: forward() may
@@ -177,9 +180,11 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x):
         shape, dtype = x.shape, x.dtype  # (..., in), the model's
-        x = x.reshape(-1, self.in_features).to(self.compute_dtype)  # (rows, in)
-        many = self.kernel == "ours" and x.shape[0] >= FLOAT_MATMUL_ROWS
-        y = self.dequantized_matmul(x) if many else self.matmul(x)  # (rows, out)
+        x = x.reshape(-1, self.in_features)  # (rows, in)
+        if self.kernel == "ours" and x.shape[0] >= FLOAT_MATMUL_ROWS:
+            y = self.dequantized_matmul(x.to(self.prompt_dtype))  # (rows, out)
+        else:
+            y = self.matmul(x.to(self.compute_dtype))
         y = y.to(dtype).reshape(*shape[:-1], self.out_features)  # back to the model's dtype
         return y if self.bias is None else y + self.bias
 
@@ -188,11 +193,10 @@ class QuantizedLinear(nn.Module):
                 f"bias={self.bias is not None}, {self.kernel} kernel in {self.compute_dtype}")
 
     def dequantized_matmul(self, x):
-        """x (rows, in) @ the dequantized weight.T, CHUNK_ROWS output channels at a time (a
-        128256-token head would be a 1 GB fp32 temporary at once), in prompt_dtype."""
-        x_in = x.to(self.prompt_dtype)
-        return torch.cat([F.linear(x_in, self.dequantized_weight(rows, self.prompt_dtype))
-                          for rows in row_chunks(self)], dim=1).to(x.dtype)
+        """x (rows, in), in prompt_dtype, @ the dequantized weight.T in the same dtype,
+        CHUNK_ROWS output channels at a time (a 128256-token head would be a 1 GB fp32
+        temporary at once)."""
+        return torch.cat([F.linear(x, self.dequantized_weight(rows, x.dtype)) for rows in row_chunks(self)], dim=1)
 
     def weight_nbytes(self):
         """Bytes a forward pass reads from this layer's weight (not counting the bias)."""

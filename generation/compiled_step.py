@@ -43,6 +43,8 @@ shape by nature and stay eager (generation/loop.py). Rows that finish early keep
 (unseen): dropping them would change the batch size and so the graph.
 """
 
+import contextlib
+import functools
 import itertools
 import time
 import warnings
@@ -164,6 +166,37 @@ def export_program(program, example_inputs, dynamic_shapes=None):
 # user's terminal.
 BUILD_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True,
                  "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+# A step whose products are all our operators (a quantized model's, a bf16 model's: every
+# Linear but a float32 one) gains nothing from freezing: the operators read the weights as
+# they lie. Its library is built without them (package_constants_in_so off) and handed the
+# model's own tensors when it is loaded (user-managed constants, never copied): the package
+# is code alone, a few MB instead of a second copy of the weights (1.2 GB at the 1B shape
+# in int8), and the model's memory is counted once.
+OWN_WEIGHTS_OPTIONS = dict(BUILD_OPTIONS, freezing=False, **{"aot_inductor.package_constants_in_so": False})
+
+
+def reads_own_weights(program):
+    """Whether program's library can read the model's tensors where they lie: no float32
+    Linear, whose product is inductor's own on a frozen, re-laid-out copy of the weight."""
+    return not any(isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32 for m in program.modules())
+
+
+@contextlib.contextmanager
+def attributes_as_buffers(module):
+    """Plain tensor attributes of module and its submodules (llama.py's inv_freq: kept out
+    of the buffers so that .to(bfloat16) does not round it) registered as buffers while the
+    graph is traced: the library then names each by its path, as it names the weights,
+    and load_library can hand it over like them."""
+    found = [(m, name, t) for m in module.modules() for name, t in vars(m).items() if isinstance(t, torch.Tensor)]
+    for m, name, t in found:
+        delattr(m, name)
+        m.register_buffer(name, t, persistent=False)
+    try:
+        yield
+    finally:
+        for m, name, t in found:
+            del m._buffers[name]
+            setattr(m, name, t)
 
 
 class NotCached(LookupError):
@@ -177,37 +210,55 @@ def build_program(program, example_inputs, dynamic_shapes=None, build_missing=Tr
     Unlike torch.compile's result, no Python runs per call: no guards checking the
     inputs, no wrapper.
 
-    The library keeps its own copy of the weights (quantized ones repacked for their
-    kernels): the model's memory once more while it lives. Its package is kept in the
-    user's cache (step_cache.py), keyed by the weights, the shapes, the settings and the
-    machine: the next start with the same model loads it instead of building it.
+    A float32 model's library keeps its own copy of the weights, laid out for its
+    kernels: the model's memory once more while it lives. Any other reads the model's
+    tensors where they lie (reads_own_weights). Its package is kept in the user's cache
+    (step_cache.py), keyed by the weights (their values where the library holds a copy,
+    else their names and shapes), the shapes, the settings and the machine: the next start
+    with the same model loads it instead of building it.
     build_missing=False: raises NotCached where it would have to be built."""
     if not build_missing and not step_cache.holds_entries():
         raise NotCached
+    own_weights = reads_own_weights(program)
+    options = OWN_WEIGHTS_OPTIONS if own_weights else BUILD_OPTIONS
+
     def build(path):  # the package, written at path
-        exported = export_program(program, example_inputs, dynamic_shapes)
+        with attributes_as_buffers(program):
+            exported = export_program(program, example_inputs, dynamic_shapes)
         with warnings.catch_warnings():
             # deprecation notices from inside torch (its export, its autotuning), nothing of ours
             warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
             warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
             # a copy: torch adds its own entries to the dict it is given, which would change
-            # BUILD_OPTIONS, and with it the cache's key, for the next build
+            # the options, and with them the cache's key, for the next build
             torch._inductor.aoti_compile_and_package(exported, package_path=str(path),
-                                                     inductor_configs=dict(BUILD_OPTIONS))
+                                                     inductor_configs=dict(options))
 
-    key = step_cache.step_key(program, example_inputs, dynamic_shapes, BUILD_OPTIONS)
-    library = step_cache.load_or_build(key, build, load_library, build_missing)
+    key = step_cache.step_key(program, example_inputs, dynamic_shapes, options, weights_inside=not own_weights)
+    load = functools.partial(load_library, weights_of=program if own_weights else None)
+    library = step_cache.load_or_build(key, build, load, build_missing)
     if library is None:
         raise NotCached
     return library
 
 
-def load_library(path):
+def load_library(path, weights_of=None):
     """The package at path loaded: a function of a list of input tensors. Through torch's
     C++ loader itself, which torch._inductor.aoti_load_package wraps: importing
     torch._inductor for the wrapper takes 2-3 s, most of a start that finds the package
-    built, and the loader 0.06 s (the bundled model)."""
-    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1).boxed_run
+    built, and the loader 0.06 s (the bundled model). weights_of: the module whose tensors
+    a library built without its weights reads, each found by the path the library names
+    it by (user-managed: not copied; check_full_update: every one the library needs)."""
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    if weights_of is None:
+        return loader.boxed_run
+    weights = {name: functools.reduce(getattr, name.split("."), weights_of) for name in loader.get_constant_fqns()}
+    loader.load_constants(weights, False, True, True)
+
+    def run(inputs):
+        return loader.boxed_run(inputs)
+    run.weights = weights  # the library may hold addresses only: no tensor is freed while it lives
+    return run
 
 
 class CompiledStep:
@@ -256,7 +307,7 @@ def compile_for(model, cache, tokens_per_step=1, sampling=None, vocab_limit=None
     returns logits, and with greedy_too each row's greedy token among the first vocab_limit
     after them), and the seconds building it took, which the loop reports apart from the
     decode speed. The model keeps the last one it built, reused while shapes, settings
-    and weights stay the same (only the last: each holds a copy of the weights).
+    and weights stay the same (only the last: a float32 one holds a copy of the weights).
     cache: a kv_cache.KVCache in the model's dtype. With max_columns the step takes a cache
     of any number of columns up to that, not only this one's: attention reads every column
     of the buffer, so a cache that grows with the sequence (the loop's, the serving

@@ -53,18 +53,20 @@ constexpr float MIN_SCALE = 1e-12f;  // weight_quant.MIN_SCALE: an all-equal row
 
 // ------------------------------------------------------------------ the activations, in 8 bits
 
-// x (M, K) fp32 -> xq (M, K) int8 and d (M, K / 32): per block of 32, d = max|x| / 127 and
-// xq = round(x / d), so that x ~ xq * d within d / 2.
-void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* xq, float* d) {
+// x (M, K) fp32 or bf16 -> xq (M, K) int8 and d (M, K / 32): per block of 32, d = max|x| / 127
+// and xq = round(x / d), so that x ~ xq * d within d / 2. A bf16 x is read as the fp32 it is
+// exactly: the same codes as for x.float(), without that copy.
+template <typename T>
+void quantize_activations(const T* x, int64_t M, int64_t K, int8_t* xq, float* d) {
   at::parallel_for(0, M * (K / BLOCK), 64, [&](int64_t first, int64_t end) {
     for (int64_t blk = first; blk < end; ++blk) {
-      const float* xb = x + blk * BLOCK;
+      const T* xb = x + blk * BLOCK;
       float amax = 0.f;
-      for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs((float)xb[i]));
       const float scale = amax / 127.f;
       const float inverse = scale > 0.f ? 1.f / scale : 0.f;  // an all-zero block stays zero
       d[blk] = scale;
-      for (int64_t i = 0; i < BLOCK; ++i) xq[blk * BLOCK + i] = (int8_t)std::nearbyint(xb[i] * inverse);
+      for (int64_t i = 0; i < BLOCK; ++i) xq[blk * BLOCK + i] = (int8_t)std::nearbyint((float)xb[i] * inverse);
     }
   });
 }
@@ -73,7 +75,8 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* xq, floa
 // sums = sum_{k in g} x[k] in fp32, rounded = sum_{b in g} d[b] * sum_{k in b} xq[k]. A plain
 // loop: a few microseconds at batch 1, where the same in torch ops (six of them, each
 // allocating) cost ~20 us a call, 113 calls a token at the 1B shape.
-void sum_groups(const float* x, const int8_t* xq, const float* d, int64_t row_groups, int64_t group_size,
+template <typename T>
+void sum_groups(const T* x, const int8_t* xq, const float* d, int64_t row_groups, int64_t group_size,
                 float* sums, float* rounded) {
   const int64_t blocks = group_size / BLOCK;  // per group
   for (int64_t g = 0; g < row_groups; ++g) {  // every group of every row: (M, groups) in order
@@ -81,7 +84,7 @@ void sum_groups(const float* x, const int8_t* xq, const float* d, int64_t row_gr
     for (int64_t b = g * blocks; b < (g + 1) * blocks; ++b) {
       int32_t levels = 0;
       for (int64_t i = b * BLOCK; i < (b + 1) * BLOCK; ++i) {
-        exact += x[i];
+        exact += (float)x[i];
         levels += xq[i];
       }
       approx += d[b] * (float)levels;
@@ -348,23 +351,42 @@ std::vector<std::string> kernel_isas() {
 
 void check_inputs(const at::Tensor& x, const at::Tensor& w, int64_t K, const std::string& isa) {
   TORCH_CHECK(cpu_has(isa), "quantized_matmul: this CPU does not run ", isa);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "quantized_matmul: x must be a contiguous (rows, in) float32 tensor");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+              x.is_contiguous(), "quantized_matmul: x must be a contiguous (rows, in) float32 or bfloat16 tensor");
   TORCH_CHECK(x.size(1) == K && K % BLOCK == 0, "quantized_matmul: x has ", x.size(1),
               " columns; the weight wants ", K, ", a multiple of ", BLOCK);
   TORCH_CHECK(w.is_contiguous(), "quantized_matmul: the weight must be contiguous");
 }
 
-// x (M, K) fp32, q (N, K) int8, scale (N,) bf16 -> (M, N) fp32: x @ (q * scale[:, None]).T
+// run(data) with x's values as a pointer of their type: float or bf16 (checked above)
+template <typename Run>
+void with_x_data(const at::Tensor& x, Run run) {
+  if (x.scalar_type() == at::kFloat)
+    run(x.data_ptr<float>());
+  else
+    run(x.data_ptr<at::BFloat16>());
+}
+
+// The products sum in fp32; a bf16 x gets its answer in bf16, as F.linear would give it, so
+// that a bf16 model calls the operator with no conversion on either side (two fewer
+// operations a Linear, 226 a token at the 1B shape).
+at::Tensor in_dtype_of(const at::Tensor& y, const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// x (M, K) fp32 or bf16, q (N, K) int8, scale (N,) bf16 -> (M, N) in x's dtype:
+// x @ (q * scale[:, None]).T
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, std::string isa) {
   const int64_t M = x.size(0), N = q.size(0), K = q.size(1);
   check_inputs(x, q, K, isa);
   TORCH_CHECK(q.scalar_type() == at::kChar && scale.scalar_type() == at::kBFloat16 && scale.numel() == N,
               "int8_matmul: q must be int8 (out, in) and scale bfloat16 (out,)");
   auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto d = at::empty({M, K / BLOCK}, x.options());
-  quantize_activations(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), d.data_ptr<float>());
-  auto y = at::empty({M, N}, x.options());
+  auto d = at::empty({M, K / BLOCK}, x.options().dtype(at::kFloat));
+  with_x_data(x, [&](const auto* x_data) {
+    quantize_activations(x_data, M, K, xq.data_ptr<int8_t>(), d.data_ptr<float>());
+  });
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const int8_t *w = q.data_ptr<int8_t>(), *xq_data = xq.data_ptr<int8_t>();
   const float* d_data = d.data_ptr<float>();
   const at::BFloat16* scale_data = scale.data_ptr<at::BFloat16>();
@@ -379,7 +401,7 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
           tile(w + n * K, K, scale_data + n, xq_data + m * K, d_data + m * (K / BLOCK), y_data + m * N + n);
       }
     });
-    return y;
+    return in_dtype_of(y, x);
   }
   auto row = isa == "avx2" ? int8_row_avx2 : int8_row_portable;
   at::parallel_for(0, N, 16, [&](int64_t first, int64_t end) {
@@ -387,11 +409,11 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
       for (int64_t m = 0; m < M; ++m)  // the weight row stays in L1 across x's rows
         y_data[m * N + n] = scale_data[n] * row(w + n * K, xq_data + m * K, d_data + m * (K / BLOCK), K);
   });
-  return y;
+  return in_dtype_of(y, x);
 }
 
-// x (M, K) fp32, packed (N, K / 2) uint8 (the block order above), scale and zero (N, K / G)
-// bf16 (as torch's kernels take them) -> (M, N) fp32: x @ W.T with
+// x (M, K) fp32 or bf16, packed (N, K / 2) uint8 (the block order above), scale and zero
+// (N, K / G) bf16 (as torch's kernels take them) -> (M, N) in x's dtype: x @ W.T with
 // W[n, k] = (level - 8) * scale[n, g] + zero[n, g].
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                        const at::Tensor& zero, int64_t group_size, std::string isa) {
@@ -403,17 +425,19 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && zero.scalar_type() == at::kBFloat16 &&
               scale.numel() == N * groups && zero.numel() == N * groups && scale.is_contiguous() &&
               zero.is_contiguous(), "int4_matmul: scale and zero must be contiguous bfloat16 (out, groups)");
+  const auto fp32 = x.options().dtype(at::kFloat);
   auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto d = at::empty({M, K / BLOCK}, x.options());
-  const float* x_data = x.data_ptr<float>();
-  quantize_activations(x_data, M, K, xq.data_ptr<int8_t>(), d.data_ptr<float>());
-  auto group_sums = at::empty({M, groups}, x.options()), rounded_sums = at::empty({M, groups}, x.options());
-  sum_groups(x_data, xq.data_ptr<int8_t>(), d.data_ptr<float>(), M * groups, group_size,
-             group_sums.data_ptr<float>(), rounded_sums.data_ptr<float>());
+  auto d = at::empty({M, K / BLOCK}, fp32);
+  auto group_sums = at::empty({M, groups}, fp32), rounded_sums = at::empty({M, groups}, fp32);
+  with_x_data(x, [&](const auto* x_data) {
+    quantize_activations(x_data, M, K, xq.data_ptr<int8_t>(), d.data_ptr<float>());
+    sum_groups(x_data, xq.data_ptr<int8_t>(), d.data_ptr<float>(), M * groups, group_size,
+               group_sums.data_ptr<float>(), rounded_sums.data_ptr<float>());
+  });
   // block b's group is b >> group_shift (a shift, not a division, in the innermost loop)
   const int group_shift = __builtin_ctzll(group_size / BLOCK);
   auto row = isa == "avx2" ? int4_row_avx2 : int4_row_portable;
-  auto y = at::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, fp32);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int8_t* xq_data = xq.data_ptr<int8_t>();
   const float* d_data = d.data_ptr<float>();
@@ -422,7 +446,7 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
   float* y_data = y.data_ptr<float>();
   if (isa == "avx512vnni") {
     auto halves = at::empty({M, K}, x.options().dtype(at::kChar));
-    auto lanes = at::empty({M, K / CHUNK * 16}, x.options());
+    auto lanes = at::empty({M, K / CHUNK * 16}, fp32);
     int8_t* halves_data = halves.data_ptr<int8_t>();
     float* lanes_data = lanes.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) {
@@ -441,7 +465,7 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
                sums + m * groups, rounded + m * groups, K, group_shift, lane_scale.data(), y_data + m * N + n);
       }
     });
-    return y;
+    return in_dtype_of(y, x);
   }
   at::parallel_for(0, N, 16, [&](int64_t first, int64_t end) {
     for (int64_t n = first; n < end; ++n)
@@ -453,7 +477,7 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
                                           d_data + m * (K / BLOCK), K, group_shift);
       }
   });
-  return y;
+  return in_dtype_of(y, x);
 }
 
 // ------------------------------------------------------------------ dequantizing, for a prompt

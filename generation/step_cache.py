@@ -7,10 +7,13 @@ model; loading the package it makes takes a fraction of a second. So each packag
 in the user's cache folder, named by a key of everything the library depends on, and the
 next start with the same key loads it:
 
-    weights   a hash of every parameter's and buffer's bytes: the library holds its own
-              copy of the weights, so other weights must never share a package
-              (sha256 over copies at ~0.6 GB/s on a 2-core EPYC: 40 ms for the bundled
-              model, about a second for GPT-2 small in fp32, 3-4 s for a 1B model in bf16)
+    weights   where the library holds its own copy of the weights (a float32 model's,
+              compiled_step.reads_own_weights), a hash of every parameter's and buffer's
+              bytes, so that other weights never share a package (sha256 over copies at
+              ~0.6 GB/s on a 2-core EPYC: 40 ms for the bundled model, about a second for
+              GPT-2 small in fp32); where it reads the model's own (quantized, bf16), only
+              their names, dtypes, shapes and strides: any checkpoint of that shape shares
+              the package, and a 1B model's start skips 3-4 s of hashing
     modules   each module's type and settings (a quantized Linear's class, its group
               size and kernel; the model's config; the step's sampling settings, baked in)
     code      the project's source files of those classes and of the step: an edited
@@ -52,13 +55,14 @@ PROJECT = Path(__file__).resolve().parent.parent
 
 # ---------------------------------------------------------------------------- the key
 
-def step_key(program, example_inputs, dynamic_shapes, build_options):
+def step_key(program, example_inputs, dynamic_shapes, build_options, weights_inside=True):
     """The fields a built library depends on (the module docstring's table), as a dict of
     strings: program (an nn.Module holding the model) exported with these example inputs
-    and dynamic shapes, built with these inductor options."""
+    and dynamic shapes, built with these inductor options; weights_inside: whether the
+    library holds a copy of the weights (else it reads the model's)."""
     modules = [type(m) for m in program.modules()]
     return {
-        "weights": weights_hash(program),
+        "weights": weights_hash(program) if weights_inside else weights_layout(program),
         "modules": [f"{name}: {type(m).__qualname__} {settings(m)}" for name, m in program.named_modules()],
         "code": code_hash(modules),
         "inputs": [f"{tuple(t.shape)} {t.stride()} {t.dtype} {t.device}" for t in example_inputs],
@@ -75,6 +79,15 @@ def weights_hash(module):
     for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
         digest.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
         digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def weights_layout(module):
+    """sha256 over every parameter's and buffer's name, dtype, shape and strides: all a
+    library that reads the model's own tensors knows of them."""
+    digest = hashlib.sha256()
+    for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
+        digest.update(f"{name} {t.dtype} {tuple(t.shape)} {t.stride()}".encode())
     return digest.hexdigest()
 
 

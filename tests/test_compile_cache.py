@@ -23,12 +23,16 @@ CONFIG = GPTConfig(context_len=16, vocab_size=64, n_layer=1, n_head=2, n_embd=64
 GREEDY = {"temperature": 0.0, "top_k": None, "top_p": None}
 
 
+def key_inputs(model, columns=16):
+    """(the example inputs of a one-row step,)"""
+    kv = torch.empty_like(KVCache(model.config, 1, "cpu", model.lm_head.weight.dtype, max_len=columns).kv)
+    return ((torch.zeros(1, 1, dtype=torch.long), kv, torch.zeros(1, dtype=torch.long),
+             torch.zeros(1, dtype=torch.long), torch.ones(1, 1)),)
+
+
 def key_of(model, sampling=GREEDY, columns=16):
     """step_key of the step a one-row generation of model would build."""
-    kv = torch.empty_like(KVCache(model.config, 1, "cpu", model.lm_head.weight.dtype, max_len=columns).kv)
-    inputs = (torch.zeros(1, 1, dtype=torch.long), kv, torch.zeros(1, dtype=torch.long),
-              torch.zeros(1, dtype=torch.long), torch.ones(1, 1))
-    return step_cache.step_key(StepProgram(model, sampling, None), inputs, None, BUILD_OPTIONS)
+    return step_cache.step_key(StepProgram(model, sampling, None), *key_inputs(model, columns), None, BUILD_OPTIONS)
 
 
 def test_the_key_tells_apart_what_changes_the_library():
@@ -203,6 +207,32 @@ def test_a_real_build_is_loaded_again_by_a_second_start(folder, capsys):
     err = capsys.readouterr().err
     assert err.count("building the compiled step") == 1 and err.count("loaded from the cache") == 2
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+
+def test_a_library_reading_the_models_weights_is_keyed_by_their_layout_not_values(folder, capsys):
+    """A quantized model's library holds no weights (compiled_step.reads_own_weights): its
+    key names the weights' shapes, not their values, so a model of other weights and the
+    same shape loads the package built for the first, and computes with its own weights
+    (its eager logits, within the bf16 rounding of test_compiled's quantized build)."""
+    first, other = (quantize_model(tiny_model(CONFIG, seed=seed), "int8") for seed in (3, 4))
+    own_key = step_cache.step_key(StepProgram(first, GREEDY, None), *key_inputs(first), None, BUILD_OPTIONS,
+                                  weights_inside=False)
+    assert own_key == step_cache.step_key(StepProgram(other, GREEDY, None), *key_inputs(other), None,
+                                          BUILD_OPTIONS, weights_inside=False)
+    assert own_key != step_cache.step_key(StepProgram(quantize_model(tiny_model(CONFIG, seed=3), "int4"),
+                                                      GREEDY, None), *key_inputs(first), None, BUILD_OPTIONS,
+                                          weights_inside=False)
+    tokens = torch.tensor([[5]])
+    for model in (first, other):
+        cache = KVCache(CONFIG, 1, "cpu", torch.float32)
+        step, _ = compiled_step.compile_for(model, cache)
+        with torch.no_grad():
+            compiled = step.decode(tokens, cache)[:, -1]
+            eager = model(tokens, KVCache(CONFIG, 1, "cpu", torch.float32))[0][:, -1]
+        assert (compiled - eager).abs().max() <= 2**-7 * eager.abs().max()
+    err = capsys.readouterr().err
+    assert err.count("building the compiled step") == 1 and err.count("loaded from the cache") == 1
+    assert len(list(folder.glob("*.pt2"))) == 1
 
 
 @pytest.mark.parametrize("script, flags", [("generate.py", []), ("kv_cache.py", []),

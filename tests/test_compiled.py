@@ -17,8 +17,9 @@ from conftest import tiny_model
 from generation import compiled_step, loop
 from generation.loop import Generation, GenerationStats, generate_tokens
 from generation.rows import Rows
-from kv_cache import KVCache
+from kv_cache import KVCache, KVCacheLlama
 from kv_quant import cache_bytes
+from llama import LlamaConfig
 from sample import probabilities
 from weight_quant import quantize_model
 
@@ -188,6 +189,36 @@ def test_a_quantized_build_gives_the_eager_logits_within_bf16_rounding(scheme):
         logits = step.decode(tokens, cache)[:, -1]
     # int4's own error (its product against fp32's) is ~10x this bound on these weights
     assert (logits - eager).abs().max() <= 2**-7 * eager.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_quantized_llamas_library_reads_the_models_own_weights(dtype):
+    """The real build of a quantized Llama (its rotary frequencies a plain tensor, not a
+    buffer): the library is built without the weights and reads the model's tensors where
+    they lie. The proof that there is no copy: a weight written in place after the build is
+    what the next call computes with (the eager logits of the changed model, within the
+    bf16 rounding of the test above). A float32 model's library keeps its frozen copy."""
+    config = LlamaConfig(context_len=16, vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, n_embd=64,
+                         intermediate_size=128, tie_embeddings=True)  # an untied head stays float: a float32 one, frozen
+    model = quantize_model(tiny_model(config, seed=23, cls=KVCacheLlama).to(dtype), "int8")
+    assert compiled_step.reads_own_weights(model)
+    assert not compiled_step.reads_own_weights(tiny_model(config, cls=KVCacheLlama))
+    tokens = torch.tensor([[5], [9]])
+
+    def logits_both_ways():
+        with torch.no_grad():
+            eager = model(tokens, KVCache(config, 2, "cpu", dtype))[0][:, -1].float()  # (2, V)
+            cache = KVCache(config, 2, "cpu", dtype)
+            cache.kv.zero_()
+            return eager, step.decode(tokens, cache)[:, -1].float()
+    step, _ = compiled_step.compile_for(model, KVCache(config, 2, "cpu", dtype))
+    before, compiled = logits_both_ways()
+    assert (compiled - before).abs().max() <= 2**-7 * before.abs().max()
+    with torch.no_grad():
+        model.lm_head.weight_int8.neg_()  # in place: the same tensor, other values
+    after, compiled = logits_both_ways()
+    assert (after - before).abs().max() > 0.1 * before.abs().max()  # a change the test can see
+    assert (compiled - after).abs().max() <= 2**-7 * after.abs().max()
 
 
 def test_the_lone_steps_build_gives_logits_and_greedy_picks_at_any_column_count():

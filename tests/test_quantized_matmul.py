@@ -69,6 +69,22 @@ def test_int4_every_instruction_set_gives_the_portable_numbers_within_rounding(i
     assert ((y - x @ dq.T).abs() <= int8_activations_bound(x, dq - zero_per_column)).all()
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_bf16_x_gives_its_fp32_copys_answer_in_bf16(isa, shape):
+    # a bf16 model feeds its activations as they are: each is exactly an fp32 number, so the
+    # codes, the sums and the answer are x.float()'s, to the bit, then rounded to bf16 once
+    x8, q, scale, _ = int8_case(*shape)
+    x, packed, s4, z4, _, _ = int4_case(*shape)
+    for x_ in (x8, x):
+        x_ = x_.bfloat16()
+        for y, reference in ((ops.int8_matmul(x_, q, scale, isa), ops.int8_matmul(x_.float(), q, scale, isa)),
+                             (ops.int4_matmul(x_, packed, s4, z4, 32, isa),
+                              ops.int4_matmul(x_.float(), packed, s4, z4, 32, isa))):
+            assert y.dtype == torch.bfloat16
+            assert torch.equal(y, reference.bfloat16())
+
+
 def test_the_activations_rounding_is_what_limits_it():
     # a sanity check on the bound: x whose blocks hold only multiples of their step (127
     # levels of max |x| / 127) is exact in int8, so the product is x @ W.T up to fp32 sums
@@ -94,6 +110,8 @@ def test_bad_inputs_are_refused_in_a_line():
         ops.int8_matmul(x, q, scale, "no-such-isa")
     with pytest.raises(RuntimeError, match="scale bfloat16"):
         ops.int8_matmul(x, q, scale.float(), "portable")
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.int8_matmul(x.half(), q, scale, "portable")
     x, packed, scale, zero, _, _ = int4_case(1, 8, 64)
     with pytest.raises(RuntimeError, match="power of 2"):
         ops.int4_matmul(x, packed, scale, zero, 48, "portable")
