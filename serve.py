@@ -80,8 +80,8 @@ def parse_args():
                    "gather of the paged cache (starts at once)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="a request decoding alone goes through generate.py --compile's step "
-                   "(AOTInductor), not the paged engine: faster for one user; the library holds a "
-                   "second copy of the weights. --compile builds it if it is not cached (seconds to "
+                   "(AOTInductor), not the paged engine: faster for one user; a float32 model's "
+                   "library holds a second copy of the weights. --compile builds it if it is not cached (seconds to "
                    "minutes, once per model and machine), and compiles the batch's step with its "
                    "weights frozen; --no-compile: neither; default: the lone step where its build "
                    "is cached, else the batch step while a child process builds it at a lower "

@@ -35,6 +35,7 @@ from benchmarks.peers import (LLAMA_OUTTYPES, PROMPT_TOKENS, leading_matches, ll
                               llama_greedy, random_prompt)
 from benchmarks.timing import alternate, spread, timed  # noqa: E402
 from benchmarks.weight_formats import weight_bytes_per_token  # noqa: E402
+from generation.compiled_step import reads_own_weights  # noqa: E402
 from generation.cpu_layout import pack_linears  # noqa: E402
 from generation.loop import GenerationStats, synchronize  # noqa: E402
 from weight_quant import INT4_GROUP_SIZES, int4_group_size, quantize_model  # noqa: E402
@@ -43,6 +44,7 @@ OURS = {  # name: (the model's dtype, weight-only quantization, compiled decode 
     "ours fp32 eager": (torch.float32, None, False, None),
     "ours fp32 compiled": (torch.float32, None, True, None),
     "ours bf16": (torch.bfloat16, None, False, None),     # --dtype bfloat16
+    "ours bf16 compiled": (torch.bfloat16, None, True, None),  # --dtype bfloat16 --compile
     # the same weights multiplied by torch's F.linear: what our bf16 kernel replaced
     "ours bf16, torch's matmul": (torch.bfloat16, None, False, "torch"),
     "ours int8": (torch.float32, "int8", False, None),    # --quantize int8
@@ -111,18 +113,29 @@ def llama_run(llm, prompt, n):
     return lambda: timed(lambda: llama_greedy(llm, ids, n))
 
 
-def model_table(label, fp32_model, read_GBps, n, reps, ours, group_size, llama_engines):
+def model_table(label, fp32_model, read_GBps, n, reps, ours, group_size, llama_engines, quantized_dtype=None):
     """Every contestant on one model: ours (names from OURS) and llama.cpp's {outtype:
     (engine, weight bytes, setup seconds)}. read_GBps: the plain-read bandwidth of this
-    model's fp32 weights, measured in this run (cache_cost.bandwidth_floor)."""
+    model's fp32 weights, measured in this run (cache_cost.bandwidth_floor).
+    quantized_dtype: the dtype of the int8 and int4 rows' model instead of OURS' (bf16:
+    as --quantize loads a bf16 checkpoint, checkpoint.auto_dtype), quantized from the
+    bf16 row's weights where that row runs (sharing its tied table)."""
     n = min(n, fp32_model.config.context_len - PROMPT_TOKENS)  # no re-prefill inside the run
     prompt = random_prompt(fp32_model.config.vocab_size, fp32_model.lm_head.weight.device)
     runs, rows, skipped = {}, {}, {}
+    # a compiled step that reads its model's own weights (every form's but fp32's:
+    # compiled_step.reads_own_weights) runs on the eager form's model, not on a copy
+    variants = {}
     for name in ours:
         dtype, scheme, compile, kernels = OURS[name]
+        dtype = quantized_dtype if scheme and quantized_dtype else dtype
         t0 = time.perf_counter()
         try:
-            model = ours_variant(fp32_model, dtype, scheme, group_size, compile, kernels)
+            model = variants.get((dtype, scheme, kernels))
+            if not (compile and model is not None and reads_own_weights(model)):
+                source = variants.get((dtype, None, None), fp32_model) if scheme else fp32_model
+                model = ours_variant(source, dtype, scheme, group_size, compile, kernels)
+            variants.setdefault((dtype, scheme, kernels), model)
             if compile:
                 compile_step(model, prompt)
         except Exception as e:  # a shape the scheme refuses; no C++ compiler for the compile
@@ -158,11 +171,12 @@ def model_table(label, fp32_model, read_GBps, n, reps, ours, group_size, llama_e
 
 def decode_speed(models, n, reps, floors, compile_note=None, llama_cpp_note=None,
                  quantize=True, group_size=None, contestants=None,
-                 llama_outtypes=LLAMA_OUTTYPES):
+                 llama_outtypes=LLAMA_OUTTYPES, quantized_dtype=None):
     """The table for each of {label: fp32 model}; floors: {label: bandwidth_floor(model)},
     measured in this run. compile_note / llama_cpp_note: why the compiled row / llama.cpp's
     rows are left out (None: they run). quantize=False leaves out int8 and int4.
-    contestants: names of OURS to run (default: all those); llama_outtypes: llama.cpp's."""
+    contestants: names of OURS to run (default: all those); llama_outtypes: llama.cpp's;
+    quantized_dtype: model_table's."""
     ours = [name for name, (_, scheme, compile, _) in OURS.items()
             if not (compile and compile_note) and (quantize or not scheme)
             and (contestants is None or name in contestants)]
@@ -172,7 +186,7 @@ def decode_speed(models, n, reps, floors, compile_note=None, llama_cpp_note=None
                    else llama_cpp_engines(label, model, llama_outtypes))
         with engines as llama:
             tables.append(model_table(label, model, floors[label]["read_GBps"], n, reps, ours,
-                                      group_size, llama))
+                                      group_size, llama, quantized_dtype))
     # the instruction set torch's kernels run with here (AVX512, AVX2, ...): the quantized
     # rows hinge on it (the int4 kernel's bf16 arithmetic is native only with AVX-512 BF16)
     return {"prompt_tokens": PROMPT_TOKENS, "threads": torch.get_num_threads(),

@@ -7,6 +7,7 @@ compared) and, where it is built, its own llama-bench (tg, and pp for the prefil
     python -m benchmarks.llama_speed              # 10-40 minutes on 2 cores; up to 22.5 GB of memory
     python -m benchmarks.llama_speed --shape tiny # the same tables on a tiny shape (seconds)
     python -m benchmarks.llama_speed --prefill 128 512 --forms fp32 int8 int4
+    python -m benchmarks.llama_speed --compiled   # and the compiled step of bf16, int8, int4
     python benchmark.py --llama-speed             # the decode table as a section of the whole run
 
 The model has random weights in Llama 3.2 1B's shape: 16 blocks 2048 wide, 32 query heads
@@ -59,6 +60,13 @@ LLAMA_OUTTYPES = ("f32", "q8_0", "q4_0")  # through the binding (bf16 is llama-b
 BENCH_OUTTYPES = {"fp32": "f32", "bf16": "bf16", "bf16-torch": "bf16", "int8": "q8_0",  # ours: llama-bench's
                   "int4": "q4_0"}
 PREFILL_LENGTHS = (128, 512, 2048)
+# The shape stands for a bf16 checkpoint (the real models of this size are published in
+# bf16), which --quantize keeps in bf16 around the quantized products (checkpoint.auto_dtype):
+# so do the int8 and int4 rows here, quantized from the bf16 row's weights
+QUANTIZED_DTYPE = torch.bfloat16
+# the compiled step of each form whose step reads the model's own weights (not fp32's, a
+# frozen copy: a second 4.9 GB at this shape); built once per machine (~30-50 s each), cached
+COMPILED = {"bf16": "ours bf16 compiled", "int8": "ours int8 compiled", "int4": "ours int4 compiled"}
 
 
 def random_llama(config, device="cpu", seed=0):
@@ -70,27 +78,30 @@ def random_llama(config, device="cpu", seed=0):
     return store_linears_column_major(KVCacheLlama(config).to(device).eval())
 
 
-def llama_speed(shape, n, reps, device, prefill_lengths=PREFILL_LENGTHS, forms=tuple(FORMS)):
+def llama_speed(shape, n, reps, device, prefill_lengths=PREFILL_LENGTHS, forms=tuple(FORMS), compiled=False):
     """decode_speed's table for a random model of SHAPES[shape]: ours in fp32, bf16, int8 and
     int4 beside llama.cpp f32, q8_0 and q4_0, and the ratio of each pair; then each form's
     prefill at prefill_lengths, and llama-bench's pp and tg where it is built. forms: which
-    of ours run (FORMS' names), in both tables."""
+    of ours run (FORMS' names), in both tables; compiled: each of those forms' compiled
+    step too (COMPILED), in the decode tables."""
     model = random_llama(SHAPES[shape], device)
     label = f"{shape} shape"
     llama_note = (llama_cpp_missing() if device.type == "cpu" else
                   f"llama.cpp skipped: this llama.cpp build runs on the CPU, the benchmark on {device.type}")
+    contestants = [FORMS[f] for f in forms] + [COMPILED[f] for f in forms if compiled and f in COMPILED]
     result = decode_speed({label: model}, n, reps, {label: bandwidth_floor(model, reps)},
-                          compile_note="compiled row left out here (a long compile at this size)",
-                          llama_cpp_note=llama_note, contestants=[FORMS[f] for f in forms],
-                          llama_outtypes=LLAMA_OUTTYPES)
+                          compile_note=None if compiled else "compiled rows left out (--compiled adds them)",
+                          llama_cpp_note=llama_note, contestants=contestants,
+                          llama_outtypes=LLAMA_OUTTYPES, quantized_dtype=QUANTIZED_DTYPE)
     result["pairs"] = result["models"][0]["pairs"]
     floor = result["models"][0]["read_GBps"]
     result["prefill"] = prefill_section(model, label, n, reps, prefill_lengths, forms, floor)
     rows = result["models"][0]["rows"]
-    decode = {}  # llama-bench's format: ours' decode in it (bf16 before bf16-torch for bf16)
+    decode = {}  # llama-bench's format: [(ours' row, its decode)] in it, eager before compiled
     for form in forms:
-        if FORMS[form] in rows:
-            decode.setdefault(f"llama.cpp {BENCH_OUTTYPES[form]}", rows[FORMS[form]]["decode_tok_s"])
+        for name in (FORMS[form], COMPILED.get(form)):
+            if name in rows:
+                decode.setdefault(f"llama.cpp {BENCH_OUTTYPES[form]}", []).append((name, rows[name]["decode_tok_s"]))
     result["prefill"]["ours_decode"] = decode
     return result
 
@@ -102,7 +113,8 @@ def prefill_section(model, label, n, reps, lengths, forms, read_GBps):
     bench = {} if note else llama_bench_rows(model, label, outtypes, lengths, n, reps)
     for row in bench.values():  # its decode against the same floor as ours'
         row["floor_ms"] = row["weight_bytes"] / read_GBps / 1e6
-    return {"lengths": list(lengths), "ours": prefill_rows(model, forms, lengths, reps),
+    return {"lengths": list(lengths), "ours": prefill_rows(model, forms, lengths, reps,
+                                                           quantized_dtype=QUANTIZED_DTYPE),
             "peak_GFLOPs": {"fp32": matmul_peak(model, torch.float32, reps),
                             "bf16": matmul_peak(model, torch.bfloat16, reps)},
             "llama_bench": bench, "llama_bench_note": note, "pairs": BENCH_OUTTYPES}
@@ -119,13 +131,17 @@ def main():
     p.add_argument("--forms", nargs="+", choices=list(FORMS), default=list(FORMS),
                    help="ours' forms in both tables (default: all; bf16 and bf16-torch, the same "
                         "weights multiplied by torch's F.linear, 2.5 GB each at the 1B shape)")
+    p.add_argument("--compiled", action="store_true",
+                   help="also the compiled decode step (--compile) of bf16, int8 and int4 among "
+                        "--forms, on the same weights (a build of 30-50 s each, once per machine)")
     args = p.parse_args()
     if args.json is not None:
         check_output_path(args.json, "json")
     context = SHAPES[args.shape].context_len
     if not all(0 < T <= context for T in args.prefill):
         p.error(f"--prefill lengths must be from 1 to the shape's context, {context}")
-    result = llama_speed(args.shape, args.tokens, args.reps, torch.device("cpu"), args.prefill, args.forms)
+    result = llama_speed(args.shape, args.tokens, args.reps, torch.device("cpu"), args.prefill, args.forms,
+                         args.compiled)
     publish_result(result, "benchmarks.llama_speed", print_llama_speed, args.json)
 
 

@@ -56,14 +56,17 @@ def prefill_seconds(model, prompt):
     return stats.prefill_seconds
 
 
-def prefill_rows(fp32_model, forms, lengths, reps, group_size=None):
+def prefill_rows(fp32_model, forms, lengths, reps, group_size=None, quantized_dtype=None):
     """{form: {"tok_s": {T: spread}, "GFLOPs": {T: median GFLOP/s}}} for each form of FORMS,
-    one form built at a time (and freed), each length timed reps times after a warm-up."""
+    one form built at a time (and freed), each length timed reps times after a warm-up.
+    quantized_dtype: the int8 and int4 forms' model dtype instead of OURS' (decode_speed's
+    model_table)."""
     vocab = fp32_model.config.vocab_size
     prompts = {T: torch.randint(vocab, (1, T), generator=torch.Generator().manual_seed(T)) for T in lengths}
     rows = {}
     for form in forms:
         dtype, scheme, _, kernels = OURS[FORMS[form]]
+        dtype = quantized_dtype if scheme and quantized_dtype else dtype
         model = ours_variant(fp32_model, dtype, scheme, group_size, False, kernels)
         prefill_seconds(model, prompts[lengths[0]][:, :WARM_UP_TOKENS])
         rates = {T: [T / prefill_seconds(model, prompts[T]) for _ in range(reps)] for T in lengths}

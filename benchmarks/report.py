@@ -223,7 +223,8 @@ def print_prefill(p):
               "(after the prefill), same format | ours / llama-bench tg |")
         print("|---|---|---|---|---|---|---|")
         for name, row in p["llama_bench"].items():
-            ours = p.get("ours_decode", {}).get(name)
-            versus = f"{fmt_spread(ours)} | {ours['median'] / row['tg']:.2f}x" if ours else "- | -"
-            print(f"| {name} | {row['tg']:.1f} | {row['weight_bytes'] / 1e6:.1f} | {row['floor_ms']:.2f} | "
-                  f"{1e3 / row['tg'] / row['floor_ms']:.1f}x | {versus} |")
+            for ours in p.get("ours_decode", {}).get(name) or [None]:  # each of ours in its format
+                versus = (f"{ours[0]}: {fmt_spread(ours[1])} | {ours[1]['median'] / row['tg']:.2f}x" if ours
+                          else "- | -")
+                print(f"| {name} | {row['tg']:.1f} | {row['weight_bytes'] / 1e6:.1f} | {row['floor_ms']:.2f} | "
+                      f"{1e3 / row['tg'] / row['floor_ms']:.1f}x | {versus} |")

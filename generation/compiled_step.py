@@ -167,12 +167,14 @@ def export_program(program, example_inputs, dynamic_shapes=None):
 BUILD_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True,
                  "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 # A step whose products are all our operators (a quantized model's, a bf16 model's: every
-# Linear but a float32 one) gains nothing from freezing: the operators read the weights as
-# they lie. Its library is built without them (package_constants_in_so off) and handed the
-# model's own tensors when it is loaded (user-managed constants, never copied): the package
-# is code alone, a few MB instead of a second copy of the weights (1.2 GB at the 1B shape
-# in int8), and the model's memory is counted once.
-OWN_WEIGHTS_OPTIONS = dict(BUILD_OPTIONS, freezing=False, **{"aot_inductor.package_constants_in_so": False})
+# Linear but a float32 one) gains nothing from freezing or tuning: the operators read the
+# weights as they lie. Its library is built without them (package_constants_in_so off) and
+# handed the model's own tensors when it is loaded (user-managed constants, never copied):
+# the package is code alone, a few MB instead of a second copy of the weights (1.2 GB at the
+# 1B shape in int8), and the model's memory is counted once. No max_autotune: inductor's
+# matmul template lays a weight out as a constant of its own, which such a library would
+# not have (a float product left in the step, a batch's rows past Bf16Linear's, is aten's).
+OWN_WEIGHTS_OPTIONS = {"freezing": False, "aot_inductor.package_constants_in_so": False}
 
 
 def reads_own_weights(program):

@@ -55,7 +55,8 @@ class Engine:
         compares).
         limits: admission.Limits (default: its defaults).
         compile: a request decoding alone goes through the compiled step (lone_step.py),
-        built here (seconds to minutes, and a copy of the weights); the decode step of a
+        built here (seconds to minutes; a copy of the weights for a float32 model, none for
+        a quantized or bf16 one: compiled_step.reads_own_weights); the decode step of a
         batch is compiled with the weights frozen into it and its matmuls tuned
         (paged_attention.py), and short prefills go through it too, each token a row.
         Both hold the weights as they were: change none while the engine serves.

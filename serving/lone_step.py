@@ -44,8 +44,9 @@ from serving.decode_index import slot_of
 
 
 class LoneStep:
-    """The compiled decode step of one sequence over the engine's pool (the compiled
-    library holds its own copy of the weights: the model's memory once more)."""
+    """The compiled decode step of one sequence over the engine's pool (a float32 model's
+    library holds its own copy of the weights, the model's memory once more; a quantized
+    or bf16 model's reads the model's own: compiled_step.reads_own_weights)."""
 
     def __init__(self, model, pool, vocab_limit=None, build_missing=True):
         """vocab_limit: the tokens a greedy pick is among (the tokenizer's; the embedding

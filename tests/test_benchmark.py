@@ -199,6 +199,26 @@ def test_llama_speed_table_on_a_tiny_shape():
         assert rows["llama.cpp f32"]["greedy_leading_same"] == 4
 
 
+def test_llama_speed_compiled_rows_run_on_the_eager_forms_weights(builds, monkeypatch):
+    """--compiled: each quantized form's compiled step beside its eager row, on the same
+    model (its step reads the model's own weights: no second copy), one build for it; in
+    llama-bench's decode table, ours eager and compiled beside the same format (conftest's
+    `builds`: the exported graph run by Python, no C++)."""
+    from benchmarks import decode_speed
+    from benchmarks.llama_speed import llama_speed
+    made = []  # each form's model made for the decode table
+    monkeypatch.setattr(decode_speed, "ours_variant", lambda *a, made_by=decode_speed.ours_variant:
+                        made.append(made_by(*a)) or made[-1])
+    r = llama_speed("tiny", 4, 1, torch.device("cpu"), prefill_lengths=(8,), forms=("int8",), compiled=True)
+    rows = r["models"][0]["rows"]
+    assert {"ours int8", "ours int8 compiled"} <= set(rows) and len(builds) == 1
+    assert len(made) == 1 and builds[0].model is made[0]  # the compiled step's model: the eager row's
+    assert rows["ours int8 compiled"]["weight_bytes"] == rows["ours int8"]["weight_bytes"]
+    if r["prefill"]["llama_bench_note"] is None:
+        assert [name for name, _ in r["prefill"]["ours_decode"]["llama.cpp q8_0"]] == ["ours int8",
+                                                                                       "ours int8 compiled"]
+
+
 def test_speculative_section_beside_its_peers():
     """The speculative-decoding section on tiny models, with the peers that are installed
     (CI installs them all): every contestant's row; the greedy tokens of each system, with

@@ -82,8 +82,8 @@ def test_the_cache_grows_as_it_fills(builds, monkeypatch):
 
 
 def test_weights_changed_in_place_are_a_new_build(builds):
-    """The library holds its own copy of the weights: the step built before a change must
-    not run after it."""
+    """A float32 model's library holds its own copy of the weights: the step built before a
+    change must not run after it."""
     model = tiny_model(CONFIG, seed=25)
     prompts = [[1, 2, 3]]
     greedy(model, prompts, 5, compile=True)
