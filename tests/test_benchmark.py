@@ -1,6 +1,7 @@
 """benchmark.py runs end to end (tiny sizes: the real figures come from real runs)."""
 
 import contextlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -258,3 +259,18 @@ def test_speculative_section_beside_its_peers():
         row = rows[f"ours draft K={k}"]
         assert 1 <= row["tokens_per_verification"] <= k + 1 and 0 <= row["acceptance_from_E"] <= 1
         assert row["predicted_speedup"] > 0
+
+
+@pytest.mark.parametrize("peer, package", [("ctranslate2_peer", "ctranslate2"), ("openvino_peer", "openvino-genai")])
+def test_a_peer_in_its_own_environment_says_in_one_line_where_it_is_absent(peer, package):
+    """The CTranslate2 and OpenVINO peers run in virtual environments of their own (each
+    module's docstring); in the project's, which has neither, each says so in one line and
+    exits non-zero, naming the docstring that makes its environment."""
+    for absent in ("ctranslate2", "openvino_genai"):
+        if importlib.util.find_spec(absent) is not None:
+            pytest.skip(f"{absent} is installed here: the peer would run")
+    done = subprocess.run([sys.executable, "-m", f"benchmarks.{peer}", str(ROOT)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [f"{peer}.py: {package} is not installed here; the module "
+                                                "docstring says how to make its environment"]

@@ -1,0 +1,112 @@
+"""
+OpenVINO GenAI beside ours at a real model's shape: the same Hugging Face directory (the one
+`python -m benchmarks.real_size` writes), exported by optimum-intel's own exporter in each
+weight format and run by OpenVINO GenAI's LLMPipeline on the CPU, decode and prefill timed
+as benchmarks/ctranslate2_peer.py times CTranslate2 (the same prompts, the same counts).
+
+OpenVINO is a peer, not a dependency: it lives in a virtual environment of its own, with
+torch put back at the project's pin after optimum-intel pulls a newer one (its exporter
+loads the model through transformers; torchvision, which needs the newer torch, removed):
+
+    python -m venv /tmp/ov-venv && . /tmp/ov-venv/bin/activate
+    pip install torch==2.13.0 openvino-genai==2026.4.1.0 "optimum-intel[openvino]==2.2.0"
+    pip uninstall -y torchvision && pip install torch==2.13.0
+    python -m benchmarks.openvino_peer ~/.cache/kvcache-gpt/real-size/1b/hf
+
+Formats (`optimum-cli export openvino --weight-format`), each beside our row: fp16 (OpenVINO
+computes it in bf16 on a CPU with AMX or AVX-512 BF16: our bf16 row), int8 (8-bit per output
+channel, asymmetric: our int8, symmetric) and int4 (asymmetric, groups of 128, the
+embedding and output layer in int8 as optimum does by default: our int4, groups of 64).
+Each directory is exported once under --cache-dir. Decode: OpenVINO's own time per output
+token (perf_metrics' TPOT: the tokens after the first) over 32 greedy tokens after a
+16-token random prompt; prefill: the time to the first token of a 512-token prompt; a new
+random prompt every run (the pipeline caches prefixes).
+The first run of each is a warm-up; the median and min-max of --reps after it.
+"""
+
+import argparse
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.ctranslate2_peer import BYTE_TOKENS, NEW_TOKENS, PREFILL_TOKENS, PROMPT_TOKENS
+
+FORMATS = {"fp16": "bf16", "int8": "int8", "int4": "int4"}  # --weight-format -> our row
+FORMAT_OPTIONS = {"int4": ["--group-size", "128"]}  # asymmetric is optimum's default
+
+
+def exported(model_dir, cache_dir, weight_format):
+    """The OpenVINO directory of model_dir in weight_format, exported once."""
+    out = cache_dir / weight_format
+    if not (out / "openvino_model.xml").is_file():
+        subprocess.run(["optimum-cli", "export", "openvino", "--model", str(model_dir), "--task",
+                        "text-generation-with-past", "--weight-format", weight_format,
+                        *FORMAT_OPTIONS.get(weight_format, []), str(out)], check=True)
+    return out
+
+
+def generated(pipeline, ids, new_tokens):
+    """perf_metrics of one greedy generation of new_tokens after the token ids (no early end)."""
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as genai
+    config = genai.GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    tokens = ov.Tensor(np.array([ids], dtype=np.int64))
+    inputs = genai.TokenizedInputs(tokens, ov.Tensor(np.ones((1, len(ids)), dtype=np.int64)))
+    return pipeline.generate(inputs, config).perf_metrics
+
+
+def measure(path, threads, reps):
+    import openvino_genai as genai
+    pipeline = genai.LLMPipeline(str(path), "CPU", INFERENCE_NUM_THREADS=threads)
+    rng = random.Random(0)
+
+    def prompt(length):
+        # a new one every run: the pipeline caches prefixes, and a prompt seen before would
+        # be served from that cache (a 512-token prefill in 88 ms instead of a second)
+        return [rng.randrange(BYTE_TOKENS) for _ in range(length)]
+    runs = {
+        "decode": lambda: 1e3 / generated(pipeline, prompt(PROMPT_TOKENS), NEW_TOKENS).get_tpot().mean,
+        "prefill": lambda: PREFILL_TOKENS * 1e3 / generated(pipeline, prompt(PREFILL_TOKENS), 1).get_ttft().mean,
+    }
+    figures = {}
+    for name, run in runs.items():
+        rates = [run() for _ in range(reps + 1)][1:]  # the first: a warm-up
+        figures[name] = {"median": statistics.median(rates), "min": min(rates), "max": max(rates)}
+    return figures
+
+
+def main():
+    p = argparse.ArgumentParser(description="OpenVINO GenAI's decode and prefill speed on a Hugging "
+                                "Face directory, for the table beside ours (run in its own venv)")
+    p.add_argument("model_dir", type=Path, help="a Llama-family Hugging Face directory "
+                   "(python -m benchmarks.real_size writes one)")
+    p.add_argument("--cache-dir", type=Path, default=Path("/tmp/ov-models"),
+                   help="where the exported models are kept (default: /tmp/ov-models)")
+    p.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS),
+                   help="weight formats to export and run (default: all)")
+    p.add_argument("--threads", type=int, default=2, help="INFERENCE_NUM_THREADS (default: 2)")
+    p.add_argument("--reps", type=int, default=3, help="timed runs after a warm-up (default: 3)")
+    args = p.parse_args()
+    try:
+        import openvino_genai
+    except ImportError:
+        sys.exit("openvino_peer.py: openvino-genai is not installed here; the module docstring "
+                 "says how to make its environment")
+    if not (args.model_dir / "config.json").is_file():
+        sys.exit(f"openvino_peer.py: {args.model_dir} is not a Hugging Face directory (no config.json)")
+    print(f"OpenVINO GenAI {openvino_genai.__version__}, {args.threads} threads, {args.model_dir}; "
+          f"median [min-max] of {args.reps} after a warm-up")
+    print(f"| weight format (our row) | decode tok/s ({NEW_TOKENS} greedy after {PROMPT_TOKENS}) "
+          f"| prefill tok/s ({PREFILL_TOKENS} tokens) |")
+    print("|---|---|---|")
+    for weight_format in args.formats:
+        f = measure(exported(args.model_dir, args.cache_dir, weight_format), args.threads, args.reps)
+        cells = [f"{f[k]['median']:.1f} [{f[k]['min']:.1f}-{f[k]['max']:.1f}]" for k in ("decode", "prefill")]
+        print(f"| {weight_format} ({FORMATS[weight_format]}) | {cells[0]} | {cells[1]} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
