@@ -65,11 +65,24 @@ def measure(path, compute_type, threads, reps):
     rng = random.Random(0)
     prompt = [vocabulary[rng.randrange(BYTE_TOKENS)] for _ in range(PROMPT_TOKENS)]
     long_prompt = [vocabulary[rng.randrange(BYTE_TOKENS)] for _ in range(PREFILL_TOKENS)]
+    return timed_rates({"decode": lambda: decode_speed(generator, prompt),
+                        "prefill": lambda: prefill_speed(generator, long_prompt)}, reps)
+
+
+def timed_rates(runs, reps):
+    """{name: median, min and max of reps calls of run()} for {name: run}, after a warm-up call."""
     figures = {}
-    for name, timed, tokens in (("decode", decode_speed, prompt), ("prefill", prefill_speed, long_prompt)):
-        runs = [timed(generator, tokens) for _ in range(reps + 1)][1:]  # the first: a warm-up
-        figures[name] = {"median": statistics.median(runs), "min": min(runs), "max": max(runs)}
+    for name, run in runs.items():
+        rates = [run() for _ in range(reps + 1)][1:]  # the first: a warm-up
+        figures[name] = {"median": statistics.median(rates), "min": min(rates), "max": max(rates)}
     return figures
+
+
+def table_row(label, figures):
+    """One row of the peer's table: its label, decode and prefill as median [min-max]."""
+    cells = [f"{figures[k]['median']:.1f} [{figures[k]['min']:.1f}-{figures[k]['max']:.1f}]"
+             for k in ("decode", "prefill")]
+    return f"| {label} | {cells[0]} | {cells[1]} |"
 
 
 def main():
@@ -96,8 +109,7 @@ def main():
     print("|---|---|---|")
     for compute_type, ours in COMPUTE_TYPES.items():
         f = measure(converted(args.model_dir, args.cache_dir, compute_type), compute_type, args.threads, args.reps)
-        cells = [f"{f[k]['median']:.1f} [{f[k]['min']:.1f}-{f[k]['max']:.1f}]" for k in ("decode", "prefill")]
-        print(f"| {compute_type} ({ours}) | {cells[0]} | {cells[1]} |", flush=True)
+        print(table_row(f"{compute_type} ({ours})", f), flush=True)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,11 @@ The first run of each is a warm-up; the median and min-max of --reps after it.
 
 import argparse
 import random
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.ctranslate2_peer import BYTE_TOKENS, NEW_TOKENS, PREFILL_TOKENS, PROMPT_TOKENS
+from benchmarks.ctranslate2_peer import BYTE_TOKENS, NEW_TOKENS, PREFILL_TOKENS, PROMPT_TOKENS, table_row, timed_rates
 
 FORMATS = {"fp16": "bf16", "int8": "int8", "int4": "int4"}  # --weight-format -> our row
 FORMAT_OPTIONS = {"int4": ["--group-size", "128"]}  # asymmetric is optimum's default
@@ -67,15 +66,10 @@ def measure(path, threads, reps):
         # a new one every run: the pipeline caches prefixes, and a prompt seen before would
         # be served from that cache (a 512-token prefill in 88 ms instead of a second)
         return [rng.randrange(BYTE_TOKENS) for _ in range(length)]
-    runs = {
+    return timed_rates({
         "decode": lambda: 1e3 / generated(pipeline, prompt(PROMPT_TOKENS), NEW_TOKENS).get_tpot().mean,
         "prefill": lambda: PREFILL_TOKENS * 1e3 / generated(pipeline, prompt(PREFILL_TOKENS), 1).get_ttft().mean,
-    }
-    figures = {}
-    for name, run in runs.items():
-        rates = [run() for _ in range(reps + 1)][1:]  # the first: a warm-up
-        figures[name] = {"median": statistics.median(rates), "min": min(rates), "max": max(rates)}
-    return figures
+    }, reps)
 
 
 def main():
@@ -104,8 +98,7 @@ def main():
     print("|---|---|---|")
     for weight_format in args.formats:
         f = measure(exported(args.model_dir, args.cache_dir, weight_format), args.threads, args.reps)
-        cells = [f"{f[k]['median']:.1f} [{f[k]['min']:.1f}-{f[k]['max']:.1f}]" for k in ("decode", "prefill")]
-        print(f"| {weight_format} ({FORMATS[weight_format]}) | {cells[0]} | {cells[1]} |", flush=True)
+        print(table_row(f"{weight_format} ({FORMATS[weight_format]})", f), flush=True)
 
 
 if __name__ == "__main__":

@@ -170,8 +170,8 @@ BUILD_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
 # Linear but a float32 one) gains nothing from freezing or tuning: the operators read the
 # weights as they lie. Its library is built without them (package_constants_in_so off) and
 # handed the model's own tensors when it is loaded (user-managed constants, never copied):
-# the package is code alone, a few MB instead of a second copy of the weights (1.2 GB at the
-# 1B shape in int8), and the model's memory is counted once. No max_autotune: inductor's
+# the package is code alone, a few MB instead of a second copy of the weights (1.22 GB at the
+# 1B shape in int4), and the model's memory is counted once. No max_autotune: inductor's
 # matmul template lays a weight out as a constant of its own, which such a library would
 # not have (a float product left in the step, a batch's rows past Bf16Linear's, is aten's).
 OWN_WEIGHTS_OPTIONS = {"freezing": False, "aot_inductor.package_constants_in_so": False}
