@@ -34,7 +34,7 @@ The kernels, three of them (`kernel=`), chosen per Linear where it is made:
   "ours"      on the CPU: generation/quantized_matmul.cpp, built on first use, fed the
               model's fp32 or bf16 as it is (no conversion either side: at the 1B shape
               in bf16, 226 operations a token fewer, 3.4 -> 1.8 ms of a ~54 ms int8 token
-              spent around the operator, and a 512-token prefill 397 -> 651 tok/s);
+              spent around the operator, and a 512-token int8 prefill 504 -> 588 tok/s);
               it quantizes the activations in blocks of 32 and reads each weight once,
               1.5-8x torch's speed at one row on an AVX2 EPYC (docs/log/benchmarks-round-8.md);
               from FLOAT_MATMUL_ROWS rows on, a float matmul of the weight dequantized
