@@ -51,6 +51,18 @@ namespace {
 constexpr int64_t BLOCK = 32;  // activations (and int4 weights) are stored in blocks of 32
 constexpr float MIN_SCALE = 1e-12f;  // weight_quant.MIN_SCALE: an all-equal row or group's scale
 
+// run(data) with t's values as a pointer of their type: float, bf16 or fp16 (checked by the
+// caller: the products take float or bf16 activations, quantizing takes any of the three)
+template <typename Run>
+void with_float_data(const at::Tensor& t, Run run) {
+  if (t.scalar_type() == at::kFloat)
+    run(t.data_ptr<float>());
+  else if (t.scalar_type() == at::kBFloat16)
+    run(t.data_ptr<at::BFloat16>());
+  else
+    run(t.data_ptr<at::Half>());
+}
+
 // ------------------------------------------------------------------ the activations, in 8 bits
 
 // x (M, K) fp32 or bf16 -> xq (M, K) int8 and d (M, K / 32): per block of 32, d = max|x| / 127
@@ -358,15 +370,6 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, int64_t K, const std
   TORCH_CHECK(w.is_contiguous(), "quantized_matmul: the weight must be contiguous");
 }
 
-// run(data) with x's values as a pointer of their type: float or bf16 (checked above)
-template <typename Run>
-void with_x_data(const at::Tensor& x, Run run) {
-  if (x.scalar_type() == at::kFloat)
-    run(x.data_ptr<float>());
-  else
-    run(x.data_ptr<at::BFloat16>());
-}
-
 // The products sum in fp32; a bf16 x gets its answer in bf16, as F.linear would give it, so
 // that a bf16 model calls the operator with no conversion on either side (two fewer
 // operations a Linear, 226 a token at the 1B shape).
@@ -383,7 +386,7 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
               "int8_matmul: q must be int8 (out, in) and scale bfloat16 (out,)");
   auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
   auto d = at::empty({M, K / BLOCK}, x.options().dtype(at::kFloat));
-  with_x_data(x, [&](const auto* x_data) {
+  with_float_data(x, [&](const auto* x_data) {
     quantize_activations(x_data, M, K, xq.data_ptr<int8_t>(), d.data_ptr<float>());
   });
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
@@ -429,7 +432,7 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
   auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
   auto d = at::empty({M, K / BLOCK}, fp32);
   auto group_sums = at::empty({M, groups}, fp32), rounded_sums = at::empty({M, groups}, fp32);
-  with_x_data(x, [&](const auto* x_data) {
+  with_float_data(x, [&](const auto* x_data) {
     quantize_activations(x_data, M, K, xq.data_ptr<int8_t>(), d.data_ptr<float>());
     sum_groups(x_data, xq.data_ptr<int8_t>(), d.data_ptr<float>(), M * groups, group_size,
                group_sums.data_ptr<float>(), rounded_sums.data_ptr<float>());
@@ -734,24 +737,13 @@ void check_quantize_input(const at::Tensor& w, const char* name) {
               BLOCK);
 }
 
-// run(data) with w's values as a pointer of their type: float, bf16 or fp16 (checked)
-template <typename Run>
-void with_weight_data(const at::Tensor& w, Run run) {
-  if (w.scalar_type() == at::kFloat)
-    run(w.data_ptr<float>());
-  else if (w.scalar_type() == at::kBFloat16)
-    run(w.data_ptr<at::BFloat16>());
-  else
-    run(w.data_ptr<at::Half>());
-}
-
 // w (N, K) -> (q (N, K) int8, scale (N,) fp32): weight_quant.quantize_int8's numbers
 std::tuple<at::Tensor, at::Tensor> int8_quantize(const at::Tensor& w) {
   check_quantize_input(w, "int8_quantize");
   const int64_t N = w.size(0), K = w.size(1);
   auto q = at::empty({N, K}, w.options().dtype(at::kChar));
   auto scale = at::empty({N}, w.options().dtype(at::kFloat));
-  with_weight_data(w, [&](const auto* data) {
+  with_float_data(w, [&](const auto* data) {
     if (cpu_has_avx512())
       int8_quantize_rows_avx512(data, N, K, q.data_ptr<int8_t>(), scale.data_ptr<float>());
     else
@@ -770,7 +762,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_quantize(const at::Tensor& w
   auto packed = at::empty({N, K / 2}, w.options().dtype(at::kByte));
   auto scale = at::empty({N, K / group_size}, w.options().dtype(at::kFloat));
   auto lo = at::empty_like(scale);
-  with_weight_data(w, [&](const auto* data) {
+  with_float_data(w, [&](const auto* data) {
     if (cpu_has_avx512())
       int4_quantize_rows_avx512(data, N, K, group_size, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
                                 lo.data_ptr<float>());
