@@ -38,7 +38,8 @@ The kernels, three of them (`kernel=`), chosen per Linear where it is made:
               it quantizes the activations in blocks of 32 and reads each weight once,
               1.5-8x torch's speed at one row on an AVX2 EPYC (docs/log/benchmarks-round-8.md);
               from FLOAT_MATMUL_ROWS rows on, a float matmul of the weight dequantized
-              (its int8_dequantize / int4_dequantize operators, one pass over the codes):
+              (its int8_dequantize / int4_dequantize operators, one pass over the codes,
+              into a buffer kept for the next weight: DequantizeScratch):
               in bf16 where the CPU multiplies bf16 in hardware (AVX-512 BF16, AMX: oneDNN's
               bf16 GEMM, ~4.7x its fp32 one on a Zen 4 EPYC), else in fp32.
               int4 weights lie two to a byte in its own order (quantized_matmul.pack_int4).
@@ -78,6 +79,8 @@ the CPU int4 layout is the kernel's own, not something to keep in a file.
     python generate.py --score checkpoints/shakespeare/heldout.txt --quantize int4
 """
 
+import threading
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -95,6 +98,11 @@ CHUNK_ROWS = 1024  # rows quantized at a time (row_chunks)
 # multiply-adds a second of ours at 128 rows and more, and dequantizing costs one read of
 # the weight, which a product this large hardly notices (docs/benchmarks.md, the 1B section)
 FLOAT_MATMUL_ROWS = 32
+# the most weights a prompt's product dequantizes at once (DequantizeScratch): the largest
+# block weight of the 1B shape (8192 x 2048) in one piece: one GEMM, nothing to concatenate
+# (pieces of 128-512 rows, which would stay in cache, made a 512-token int8 prefill of the
+# 1B shape 470-560 tok/s against 690 whole, on the Xeon); 32 MB in bf16
+SCRATCH_WEIGHTS = 8192 * 2048
 
 
 # ---------------------------------------------------------------------------- the schemes
@@ -194,10 +202,25 @@ class QuantizedLinear(nn.Module):
                 f"bias={self.bias is not None}, {self.kernel} kernel in {self.compute_dtype}")
 
     def dequantized_matmul(self, x):
-        """x (rows, in), in prompt_dtype, @ the dequantized weight.T in the same dtype,
-        CHUNK_ROWS output channels at a time (a 128256-token head would be a 1 GB fp32
-        temporary at once)."""
-        return torch.cat([F.linear(x, self.dequantized_weight(rows, x.dtype)) for rows in row_chunks(self)], dim=1)
+        """x (rows, in), in prompt_dtype, @ the dequantized weight.T in the same dtype, in
+        pieces of at most SCRATCH_WEIGHTS weights (a 128256-token head at once would be a
+        0.5-1 GB temporary), each dequantized into this thread's scratch buffer. Where the
+        product is traced (torch.compile: a graph's tensors are its own) or a backward
+        would need the weight as it was (x wants a gradient), each piece is a new tensor."""
+        rows_at_once = max(1, SCRATCH_WEIGHTS // self.in_features)
+        pieces = [slice(start, min(start + rows_at_once, self.out_features))
+                  for start in range(0, self.out_features, rows_at_once)]
+        fresh = torch.compiler.is_compiling() or x.requires_grad
+        outputs = [F.linear(x, self.dequantized_weight(rows, x.dtype) if fresh else self.dequantized_in_scratch(rows, x.dtype))
+                   for rows in pieces]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)  # (rows, out)
+
+    def dequantized_in_scratch(self, rows, dtype):
+        """dequantized_weight(rows, dtype), written into the thread's scratch buffer (valid
+        until the next call: F.linear reads it at once)."""
+        out = scratch.take(rows.stop - rows.start, self.in_features, dtype)
+        self.dequantize_into(rows, out)
+        return out
 
     def weight_nbytes(self):
         """Bytes a forward pass reads from this layer's weight (not counting the bias)."""
@@ -221,6 +244,28 @@ class QuantizedLinear(nn.Module):
             state_dict = {k: v for k, v in state_dict.items() if k != key}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)
+
+
+class DequantizeScratch(threading.local):
+    """The buffer a prompt's products dequantize each weight into, one per thread (two
+    threads' prompts must not write into one), grown to the largest piece asked for and
+    kept for the next Linear and the next pass: a new tensor each time cost more than the
+    dequantizing (a fresh 32 MB is 8,192 pages the kernel zeroes on first touch: 6.6 ms
+    against 0.6 to fill the same bytes again, on the Xeon), which made a 512-token int8
+    prefill of the 1B shape 650 tok/s against 772 with the buffer (docs/benchmarks.md)."""
+
+    def __init__(self):
+        self.buffers = {}  # dtype -> a flat tensor
+
+    def take(self, rows, cols, dtype):
+        """A (rows, cols) tensor of dtype over the buffer's first rows * cols elements."""
+        buffer = self.buffers.get(dtype)
+        if buffer is None or buffer.numel() < rows * cols:
+            buffer = self.buffers[dtype] = torch.empty(rows * cols, dtype=dtype)
+        return buffer[:rows * cols].view(rows, cols)
+
+
+scratch = DequantizeScratch()
 
 
 def choose_kernel(device, in_features, activation_dtype=None):
@@ -253,6 +298,9 @@ class Int8Linear(QuantizedLinear):
         if self.kernel == "torch":
             return torch._weight_int8pack_mm(x, self.weight_int8, self.scale)  # (x @ q.T) * scale
         return F.linear(x, self.weight_int8.to(x.dtype)) * self.scale  # the same, portably
+
+    def dequantize_into(self, rows, out):
+        torch.ops.kvcache_gpt_quant.int8_dequantize_into(self.weight_int8[rows], self.scale[rows], out)
 
     def dequantized_weight(self, rows=slice(None), dtype=torch.float32):
         """The weight as the layer uses it, (out, in) in dtype, or those output rows of it
@@ -328,6 +376,10 @@ class Int4Linear(QuantizedLinear):
         if self.kernel == "torch":
             return self.scale_and_zero[..., 0].float().t()[:self.out_features]
         return self.scale.float()
+
+    def dequantize_into(self, rows, out):
+        torch.ops.kvcache_gpt_quant.int4_dequantize_into(self.weight_int4[rows], self.scale[rows],
+                                                         self.zero[rows], self.group_size, out)
 
     def dequantized_weight(self, rows=slice(None), dtype=torch.float32):
         """The weight as the layer uses it, (out, in) in dtype, or those output rows of it

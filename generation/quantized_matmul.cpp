@@ -571,46 +571,61 @@ void check_dequantize_dtype(at::ScalarType dtype) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize: float32 or bfloat16 out, not ", dtype);
 }
 
-// q (N, K) int8, scale (N,) bf16 -> (N, K) in dtype: q * scale[:, None]
-at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale, at::ScalarType dtype) {
+// q (N, K) int8, scale (N,) bf16 -> out (N, K) fp32 or bf16: q * scale[:, None]. Into a
+// tensor the caller holds: a prompt's pass dequantizes every weight of the model into one
+// scratch buffer (weight_quant.py), where a new tensor each time cost more in page faults
+// (a fresh 32 MB is 8,192 pages for the kernel to zero) than the dequantizing itself.
+void int8_dequantize_into(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& out) {
   const int64_t N = q.size(0), K = q.size(1);
-  check_dequantize_dtype(dtype);
+  check_dequantize_dtype(out.scalar_type());
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && K % BLOCK == 0 &&
               scale.scalar_type() == at::kBFloat16 && scale.numel() == N && scale.is_contiguous(),
               "int8_dequantize: q must be contiguous int8 (out, in), in a multiple of ", BLOCK,
               ", and scale bfloat16 (out,)");
-  auto out = at::empty({N, K}, q.options().dtype(dtype));
+  TORCH_CHECK(out.is_contiguous() && out.numel() == N * K, "int8_dequantize: out must be contiguous, (out, in)");
   const int8_t* q_data = q.data_ptr<int8_t>();
   const at::BFloat16* s = scale.data_ptr<at::BFloat16>();
-  if (dtype == at::kFloat)
+  if (out.scalar_type() == at::kFloat)
     int8_dequantize_portable(q_data, s, N, K, out.data_ptr<float>());
   else if (cpu_has_avx512bf16())
     int8_dequantize_avx512bf16(q_data, s, N, K, out.data_ptr<at::BFloat16>());
   else
     int8_dequantize_portable(q_data, s, N, K, out.data_ptr<at::BFloat16>());
+}
+
+// the same into a new tensor of dtype (what a traced graph calls: its outputs are its own)
+at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale, at::ScalarType dtype) {
+  auto out = at::empty({q.size(0), q.size(1)}, q.options().dtype(dtype));
+  int8_dequantize_into(q, scale, out);
   return out;
 }
 
-// packed (N, K / 2) uint8, scale and zero (N, K / G) bf16 -> (N, K) in dtype
-at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
-                           int64_t group_size, at::ScalarType dtype) {
+// packed (N, K / 2) uint8, scale and zero (N, K / G) bf16 -> out (N, K) fp32 or bf16
+void int4_dequantize_into(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
+                          int64_t group_size, const at::Tensor& out) {
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  check_dequantize_dtype(dtype);
+  check_dequantize_dtype(out.scalar_type());
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               group_size >= BLOCK && group_size % BLOCK == 0 && K % group_size == 0,
               "int4_dequantize: packed must be contiguous uint8 (out, in / 2), the group a multiple of ", BLOCK);
   TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && zero.scalar_type() == at::kBFloat16 &&
               scale.numel() == N * (K / group_size) && zero.numel() == scale.numel() && scale.is_contiguous() &&
               zero.is_contiguous(), "int4_dequantize: scale and zero must be contiguous bfloat16 (out, groups)");
-  auto out = at::empty({N, K}, packed.options().dtype(dtype));
+  TORCH_CHECK(out.is_contiguous() && out.numel() == N * K, "int4_dequantize: out must be contiguous, (out, in)");
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const at::BFloat16 *s = scale.data_ptr<at::BFloat16>(), *z = zero.data_ptr<at::BFloat16>();
-  if (dtype == at::kFloat)
+  if (out.scalar_type() == at::kFloat)
     int4_dequantize_portable(w, s, z, N, K, group_size, out.data_ptr<float>());
   else if (cpu_has_avx512bf16())
     int4_dequantize_avx512bf16(w, s, z, N, K, group_size, out.data_ptr<at::BFloat16>());
   else
     int4_dequantize_portable(w, s, z, N, K, group_size, out.data_ptr<at::BFloat16>());
+}
+
+at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
+                           int64_t group_size, at::ScalarType dtype) {
+  auto out = at::empty({packed.size(0), packed.size(1) * 2}, packed.options().dtype(dtype));
+  int4_dequantize_into(packed, scale, zero, group_size, out);
   return out;
 }
 
@@ -781,6 +796,8 @@ TORCH_LIBRARY(kvcache_gpt_quant, m) {
   m.def("int4_matmul(Tensor x, Tensor packed, Tensor scale, Tensor zero, int group_size, str isa) -> Tensor");
   m.def("int8_dequantize(Tensor q, Tensor scale, ScalarType dtype) -> Tensor");
   m.def("int4_dequantize(Tensor packed, Tensor scale, Tensor zero, int group_size, ScalarType dtype) -> Tensor");
+  m.def("int8_dequantize_into(Tensor q, Tensor scale, Tensor(a!) out) -> ()");
+  m.def("int4_dequantize_into(Tensor packed, Tensor scale, Tensor zero, int group_size, Tensor(a!) out) -> ()");
   m.def("int8_quantize(Tensor w) -> (Tensor, Tensor)");
   m.def("int4_quantize(Tensor w, int group_size) -> (Tensor, Tensor, Tensor)");
 }
@@ -790,6 +807,8 @@ TORCH_LIBRARY_IMPL(kvcache_gpt_quant, CPU, m) {
   m.impl("int4_matmul", int4_matmul);
   m.impl("int8_dequantize", int8_dequantize);
   m.impl("int4_dequantize", int4_dequantize);
+  m.impl("int8_dequantize_into", int8_dequantize_into);
+  m.impl("int4_dequantize_into", int4_dequantize_into);
   m.impl("int8_quantize", int8_quantize);
   m.impl("int4_quantize", int4_quantize);
 }

@@ -23,6 +23,7 @@ of them (20 seeds, three shapes).
 import copy
 import dataclasses
 import json
+import threading
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ from plumbing.checkpoint import BUNDLED, load_model, save_checkpoint
 from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
 from plumbing.scoring import score
 from kv_cache import CACHED_MODELS
+import weight_quant
 from generation import bf16_matmul, quantized_matmul
 from weight_quant import (CHUNK_ROWS, FLOAT_MATMUL_ROWS, Int4Linear, Int8Linear, QuantizedLinear,
                           dequantize_int4, dequantize_int8, int4_group_size, quantize_int4, quantize_int8,
@@ -156,17 +158,59 @@ def test_quantized_linear_matches_its_dequantized_weight(scheme, kernel, out_fea
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_many_rows_go_through_a_float_matmul_of_the_dequantized_weight(scheme):
+def test_many_rows_go_through_a_float_matmul_of_the_dequantized_weight(scheme, monkeypatch):
     # a prompt's rows (FLOAT_MATMUL_ROWS or more), in fp32 (a CPU without bf16 arithmetic):
-    # fp32 throughout, so x @ W.T up to the order of sums; 1100 outputs: two chunks of
-    # CHUNK_ROWS dequantized in turn
-    lin = linear(CHUNK_ROWS + 76, 64)
+    # fp32 throughout, so x @ W.T up to the order of sums; 1100 outputs, at most 512 rows
+    # of 64 weights dequantized at a time: three pieces, the last a short one
+    monkeypatch.setattr(weight_quant, "SCRATCH_WEIGHTS", 512 * 64)
+    lin = linear(1100, 64)
     q = quantized(lin, scheme, "ours")
     q.prompt_dtype = torch.float32
     x = torch.randn(FLOAT_MATMUL_ROWS, 64)
     torch.testing.assert_close(q(x), F.linear(x, q.dequantized_weight(), lin.bias), rtol=1e-5, atol=1e-5)
     few = q(x[:FLOAT_MATMUL_ROWS - 1])  # one row fewer: our kernel, its int8 activations' rounding
     assert not torch.allclose(few, q(x)[:FLOAT_MATMUL_ROWS - 1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_prompts_products_share_one_scratch_buffer_and_return_their_own_outputs():
+    """Two Linears' prompt products dequantize into the same buffer (no new tensor for a
+    weight), and the first's output is not overwritten by the second's weight."""
+    first, second = quantized(linear(96, 64, seed=1), "int8", "ours"), quantized(linear(48, 64, seed=2), "int4", "ours")
+    for q in (first, second):
+        q.prompt_dtype = torch.float32
+    x = torch.randn(FLOAT_MATMUL_ROWS, 64)
+    y = first(x)
+    buffer = weight_quant.scratch.buffers[torch.float32]
+    expected = y.clone()
+    second(x)
+    assert weight_quant.scratch.buffers[torch.float32] is buffer
+    assert torch.equal(y, expected)
+    torch.testing.assert_close(y, F.linear(x, first.dequantized_weight(), first.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_each_thread_dequantizes_into_its_own_scratch_buffer():
+    q = quantized(linear(96, 64), "int8", "ours")
+    q.prompt_dtype = torch.float32
+    x = torch.randn(FLOAT_MATMUL_ROWS, 64)
+    q(x)
+    seen = {}
+    thread = threading.Thread(target=lambda: (q(x), seen.update(weight_quant.scratch.buffers)))
+    thread.start()
+    thread.join()
+    assert seen[torch.float32] is not weight_quant.scratch.buffers[torch.float32]
+
+
+def test_a_product_that_backpropagates_keeps_its_weight_out_of_the_scratch_buffer():
+    """x wanting a gradient: F.linear keeps the weight for the backward pass, so it must be
+    a tensor of its own, not the buffer the next product overwrites."""
+    first, second = quantized(linear(96, 64, seed=1), "int8", "ours"), quantized(linear(96, 64, seed=2), "int8", "ours")
+    for q in (first, second):
+        q.prompt_dtype = torch.float32
+    x = torch.randn(FLOAT_MATMUL_ROWS, 64, requires_grad=True)
+    y = first(x)
+    second(x.detach())  # writes its own weight into the buffer
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, first.dequantized_weight().sum(0).expand_as(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
