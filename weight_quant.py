@@ -100,8 +100,8 @@ CHUNK_ROWS = 1024  # rows quantized at a time (row_chunks)
 FLOAT_MATMUL_ROWS = 32
 # the most weights a prompt's product dequantizes at once (DequantizeScratch): the largest
 # block weight of the 1B shape (8192 x 2048) in one piece: one GEMM, nothing to concatenate
-# (pieces of 128-512 rows, which would stay in cache, made a 512-token int8 prefill of the
-# 1B shape 470-560 tok/s against 690 whole, on the Xeon); 32 MB in bf16
+# (pieces of 128-512 rows, small enough to stay in cache, were slower on the Xeon: more,
+# smaller GEMMs); 32 MB in bf16
 SCRATCH_WEIGHTS = 8192 * 2048
 
 
@@ -250,9 +250,9 @@ class DequantizeScratch(threading.local):
     """The buffer a prompt's products dequantize each weight into, one per thread (two
     threads' prompts must not write into one), grown to the largest piece asked for and
     kept for the next Linear and the next pass: a new tensor each time cost more than the
-    dequantizing (a fresh 32 MB is 8,192 pages the kernel zeroes on first touch: 6.6 ms
-    against 0.6 to fill the same bytes again, on the Xeon), which made a 512-token int8
-    prefill of the 1B shape 650 tok/s against 772 with the buffer (docs/benchmarks.md)."""
+    dequantizing (a fresh 32 MB is 8,192 pages the kernel zeroes on first touch), and a
+    512-token int8 prefill of the 1B shape went from 651 to 776 tok/s with the buffer
+    (docs/benchmarks.md, the 1B section)."""
 
     def __init__(self):
         self.buffers = {}  # dtype -> a flat tensor
