@@ -249,10 +249,10 @@ class QuantizedLinear(nn.Module):
 class DequantizeScratch(threading.local):
     """The buffer a prompt's products dequantize each weight into, one per thread (two
     threads' prompts must not write into one), grown to the largest piece asked for and
-    kept for the next Linear and the next pass: a new tensor each time cost more than the
-    dequantizing (a fresh 32 MB is 8,192 pages the kernel zeroes on first touch), and a
-    512-token int8 prefill of the 1B shape went from 651 to 776 tok/s with the buffer
-    (docs/benchmarks.md, the 1B section)."""
+    kept for the next Linear and the next pass: a new tensor each time costs more than the
+    dequantizing (a fresh 32 MB is 8,192 pages the kernel zeroes on first touch); with the
+    buffer a 512-token int8 prefill of the 1B shape runs at 776 tok/s on the Xeon, with new
+    tensors at 651 (docs/benchmarks.md, the 1B section)."""
 
     def __init__(self):
         self.buffers = {}  # dtype -> a flat tensor
