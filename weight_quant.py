@@ -39,7 +39,7 @@ The kernels, three of them (`kernel=`), chosen per Linear where it is made:
               1.5-8x torch's speed at one row on an AVX2 EPYC (docs/log/benchmarks-round-8.md);
               from FLOAT_MATMUL_ROWS rows on, a float matmul of the weight dequantized
               (its int8_dequantize / int4_dequantize operators, one pass over the codes,
-              into a buffer kept for the next weight: DequantizeScratch):
+              into a buffer kept for the next weight: quantized_matmul.DequantizeScratch):
               in bf16 where the CPU multiplies bf16 in hardware (AVX-512 BF16, AMX: oneDNN's
               bf16 GEMM, ~4.7x its fp32 one on a Zen 4 EPYC), else in fp32.
               int4 weights lie two to a byte in its own order (quantized_matmul.pack_int4).
@@ -79,8 +79,6 @@ the CPU int4 layout is the kernel's own, not something to keep in a file.
     python generate.py --score checkpoints/shakespeare/heldout.txt --quantize int4
 """
 
-import threading
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -98,10 +96,10 @@ CHUNK_ROWS = 1024  # rows quantized at a time (row_chunks)
 # multiply-adds a second of ours at 128 rows and more, and dequantizing costs one read of
 # the weight, which a product this large hardly notices (docs/benchmarks.md, the 1B section)
 FLOAT_MATMUL_ROWS = 32
-# the most weights a prompt's product dequantizes at once (DequantizeScratch): the largest
-# block weight of the 1B shape (8192 x 2048) in one piece: one GEMM, nothing to concatenate
-# (pieces of 128-512 rows, small enough to stay in cache, were slower on the Xeon: more,
-# smaller GEMMs); 32 MB in bf16
+# the most weights a prompt's product dequantizes at once (into quantized_matmul's
+# DequantizeScratch): the largest block weight of the 1B shape (8192 x 2048) in one piece:
+# one GEMM, nothing to concatenate (pieces of 128-512 rows, small enough to stay in cache,
+# were slower on the Xeon: more, smaller GEMMs); 32 MB in bf16
 SCRATCH_WEIGHTS = 8192 * 2048
 
 
@@ -218,7 +216,7 @@ class QuantizedLinear(nn.Module):
     def dequantized_in_scratch(self, rows, dtype):
         """dequantized_weight(rows, dtype), written into the thread's scratch buffer (valid
         until the next call: F.linear reads it at once)."""
-        out = scratch.take(rows.stop - rows.start, self.in_features, dtype)
+        out = quantized_matmul.scratch.take(rows.stop - rows.start, self.in_features, dtype)
         self.dequantize_into(rows, out)
         return out
 
@@ -244,28 +242,6 @@ class QuantizedLinear(nn.Module):
             state_dict = {k: v for k, v in state_dict.items() if k != key}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)
-
-
-class DequantizeScratch(threading.local):
-    """The buffer a prompt's products dequantize each weight into, one per thread (two
-    threads' prompts must not write into one), grown to the largest piece asked for and
-    kept for the next Linear and the next pass: a new tensor each time costs more than the
-    dequantizing (a fresh 32 MB is 8,192 pages the kernel zeroes on first touch); with the
-    buffer a 512-token int8 prefill of the 1B shape runs at 776 tok/s on the Xeon, with new
-    tensors at 651 (docs/benchmarks.md, the 1B section)."""
-
-    def __init__(self):
-        self.buffers = {}  # dtype -> a flat tensor
-
-    def take(self, rows, cols, dtype):
-        """A (rows, cols) tensor of dtype over the buffer's first rows * cols elements."""
-        buffer = self.buffers.get(dtype)
-        if buffer is None or buffer.numel() < rows * cols:
-            buffer = self.buffers[dtype] = torch.empty(rows * cols, dtype=dtype)
-        return buffer[:rows * cols].view(rows, cols)
-
-
-scratch = DequantizeScratch()
 
 
 def choose_kernel(device, in_features, activation_dtype=None):

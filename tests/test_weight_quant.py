@@ -180,10 +180,10 @@ def test_a_prompts_products_share_one_scratch_buffer_and_return_their_own_output
         q.prompt_dtype = torch.float32
     x = torch.randn(FLOAT_MATMUL_ROWS, 64)
     y = first(x)
-    buffer = weight_quant.scratch.buffers[torch.float32]
+    buffer = quantized_matmul.scratch.buffers[torch.float32]
     expected = y.clone()
     second(x)
-    assert weight_quant.scratch.buffers[torch.float32] is buffer
+    assert quantized_matmul.scratch.buffers[torch.float32] is buffer
     assert torch.equal(y, expected)
     torch.testing.assert_close(y, F.linear(x, first.dequantized_weight(), first.bias), rtol=1e-5, atol=1e-5)
 
@@ -194,10 +194,10 @@ def test_each_thread_dequantizes_into_its_own_scratch_buffer():
     x = torch.randn(FLOAT_MATMUL_ROWS, 64)
     q(x)
     seen = {}
-    thread = threading.Thread(target=lambda: (q(x), seen.update(weight_quant.scratch.buffers)))
+    thread = threading.Thread(target=lambda: (q(x), seen.update(quantized_matmul.scratch.buffers)))
     thread.start()
     thread.join()
-    assert seen[torch.float32] is not weight_quant.scratch.buffers[torch.float32]
+    assert seen[torch.float32] is not quantized_matmul.scratch.buffers[torch.float32]
 
 
 def test_a_product_that_backpropagates_keeps_its_weight_out_of_the_scratch_buffer():
