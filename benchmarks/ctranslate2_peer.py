@@ -85,28 +85,41 @@ def table_row(label, figures):
     return f"| {label} | {cells[0]} | {cells[1]} |"
 
 
-def main():
-    p = argparse.ArgumentParser(description="CTranslate2's decode and prefill speed on a Hugging "
+def peer_arguments(engine, cache_dir, threads_option):
+    """The command line both peer scripts take: the directory, where its conversions are
+    kept, threads and repetitions."""
+    p = argparse.ArgumentParser(description=f"{engine}'s decode and prefill speed on a Hugging "
                                 "Face directory, for the table beside ours (run in its own venv)")
     p.add_argument("model_dir", type=Path, help="a Llama-family Hugging Face directory "
                    "(python -m benchmarks.real_size writes one)")
-    p.add_argument("--cache-dir", type=Path, default=Path("/tmp/ct2-models"),
-                   help="where the converted models are kept (default: /tmp/ct2-models)")
-    p.add_argument("--threads", type=int, default=2, help="intra_threads (default: 2)")
+    p.add_argument("--cache-dir", type=Path, default=Path(cache_dir),
+                   help=f"where the converted models are kept (default: {cache_dir})")
+    p.add_argument("--threads", type=int, default=2, help=f"{threads_option} (default: 2)")
     p.add_argument("--reps", type=int, default=3, help="timed runs after a warm-up (default: 3)")
-    args = p.parse_args()
+    return p
+
+
+def start_table(script, engine, version, args, first_column):
+    """Refuse a directory that is not a Hugging Face one (one line), then print the table's
+    head."""
+    if not (args.model_dir / "config.json").is_file():
+        sys.exit(f"{script}: {args.model_dir} is not a Hugging Face directory (no config.json)")
+    print(f"{engine} {version}, {args.threads} threads, {args.model_dir}; "
+          f"median [min-max] of {args.reps} after a warm-up")
+    print(f"| {first_column} | decode tok/s ({NEW_TOKENS} greedy after {PROMPT_TOKENS}) "
+          f"| prefill tok/s ({PREFILL_TOKENS} tokens) |")
+    print("|---|---|---|")
+
+
+def main():
+    args = peer_arguments("CTranslate2", "/tmp/ct2-models", "intra_threads").parse_args()
     try:
         import ctranslate2  # noqa: F401
     except ImportError:
         sys.exit("ctranslate2_peer.py: ctranslate2 is not installed here; the module docstring "
                  "says how to make its environment")
-    if not (args.model_dir / "config.json").is_file():
-        sys.exit(f"ctranslate2_peer.py: {args.model_dir} is not a Hugging Face directory (no config.json)")
-    print(f"CTranslate2 {ctranslate2.__version__}, {args.threads} threads, {args.model_dir}; "
-          f"median [min-max] of {args.reps} after a warm-up")
-    print(f"| CTranslate2 compute type (our row) | decode tok/s ({NEW_TOKENS} greedy after "
-          f"{PROMPT_TOKENS}) | prefill tok/s ({PREFILL_TOKENS} tokens) |")
-    print("|---|---|---|")
+    start_table("ctranslate2_peer.py", "CTranslate2", ctranslate2.__version__, args,
+                "CTranslate2 compute type (our row)")
     for compute_type, ours in COMPUTE_TYPES.items():
         f = measure(converted(args.model_dir, args.cache_dir, compute_type), compute_type, args.threads, args.reps)
         print(table_row(f"{compute_type} ({ours})", f), flush=True)

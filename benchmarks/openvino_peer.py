@@ -24,13 +24,12 @@ random prompt every run (the pipeline caches prefixes).
 The first run of each is a warm-up; the median and min-max of --reps after it.
 """
 
-import argparse
 import random
 import subprocess
 import sys
-from pathlib import Path
 
-from benchmarks.ctranslate2_peer import BYTE_TOKENS, NEW_TOKENS, PREFILL_TOKENS, PROMPT_TOKENS, table_row, timed_rates
+from benchmarks.ctranslate2_peer import (BYTE_TOKENS, NEW_TOKENS, PREFILL_TOKENS, PROMPT_TOKENS, peer_arguments,
+                                         start_table, table_row, timed_rates)
 
 FORMATS = {"fp16": "bf16", "int8": "int8", "int4": "int4"}  # --weight-format -> our row
 FORMAT_OPTIONS = {"int4": ["--group-size", "128"]}  # asymmetric is optimum's default
@@ -73,29 +72,17 @@ def measure(path, threads, reps):
 
 
 def main():
-    p = argparse.ArgumentParser(description="OpenVINO GenAI's decode and prefill speed on a Hugging "
-                                "Face directory, for the table beside ours (run in its own venv)")
-    p.add_argument("model_dir", type=Path, help="a Llama-family Hugging Face directory "
-                   "(python -m benchmarks.real_size writes one)")
-    p.add_argument("--cache-dir", type=Path, default=Path("/tmp/ov-models"),
-                   help="where the exported models are kept (default: /tmp/ov-models)")
+    p = peer_arguments("OpenVINO GenAI", "/tmp/ov-models", "INFERENCE_NUM_THREADS")
     p.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS),
                    help="weight formats to export and run (default: all)")
-    p.add_argument("--threads", type=int, default=2, help="INFERENCE_NUM_THREADS (default: 2)")
-    p.add_argument("--reps", type=int, default=3, help="timed runs after a warm-up (default: 3)")
     args = p.parse_args()
     try:
         import openvino_genai
     except ImportError:
         sys.exit("openvino_peer.py: openvino-genai is not installed here; the module docstring "
                  "says how to make its environment")
-    if not (args.model_dir / "config.json").is_file():
-        sys.exit(f"openvino_peer.py: {args.model_dir} is not a Hugging Face directory (no config.json)")
-    print(f"OpenVINO GenAI {openvino_genai.__version__}, {args.threads} threads, {args.model_dir}; "
-          f"median [min-max] of {args.reps} after a warm-up")
-    print(f"| weight format (our row) | decode tok/s ({NEW_TOKENS} greedy after {PROMPT_TOKENS}) "
-          f"| prefill tok/s ({PREFILL_TOKENS} tokens) |")
-    print("|---|---|---|")
+    start_table("openvino_peer.py", "OpenVINO GenAI", openvino_genai.__version__, args,
+                "weight format (our row)")
     for weight_format in args.formats:
         f = measure(exported(args.model_dir, args.cache_dir, weight_format), args.threads, args.reps)
         print(table_row(f"{weight_format} ({FORMATS[weight_format]})", f), flush=True)
