@@ -209,8 +209,8 @@ class QuantizedLinear(nn.Module):
         pieces = [slice(start, min(start + rows_at_once, self.out_features))
                   for start in range(0, self.out_features, rows_at_once)]
         fresh = torch.compiler.is_compiling() or x.requires_grad
-        outputs = [F.linear(x, self.dequantized_weight(rows, x.dtype) if fresh else self.dequantized_in_scratch(rows, x.dtype))
-                   for rows in pieces]
+        weight = self.dequantized_weight if fresh else self.dequantized_in_scratch
+        outputs = [F.linear(x, weight(rows, x.dtype)) for rows in pieces]  # each (rows, piece)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)  # (rows, out)
 
     def dequantized_in_scratch(self, rows, dtype):
@@ -276,6 +276,7 @@ class Int8Linear(QuantizedLinear):
         return F.linear(x, self.weight_int8.to(x.dtype)) * self.scale  # the same, portably
 
     def dequantize_into(self, rows, out):
+        """Those output rows of the weight, dequantized into out (ours' operator)."""
         torch.ops.kvcache_gpt_quant.int8_dequantize_into(self.weight_int8[rows], self.scale[rows], out)
 
     def dequantized_weight(self, rows=slice(None), dtype=torch.float32):
@@ -354,6 +355,7 @@ class Int4Linear(QuantizedLinear):
         return self.scale.float()
 
     def dequantize_into(self, rows, out):
+        """Those output rows of the weight, dequantized into out (ours' operator)."""
         torch.ops.kvcache_gpt_quant.int4_dequantize_into(self.weight_int4[rows], self.scale[rows],
                                                          self.zero[rows], self.group_size, out)
 
