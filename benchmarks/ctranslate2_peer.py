@@ -21,6 +21,7 @@ the min-max of --reps after it, 2 threads (intra_threads), as ours.
 """
 
 import argparse
+import importlib
 import json
 import random
 import statistics
@@ -99,6 +100,15 @@ def peer_arguments(engine, cache_dir, threads_option):
     return p
 
 
+def engine_module(script, module, package):
+    """The peer's module, imported; where this venv lacks it, one line and exit."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        sys.exit(f"{script}: {package} is not installed here; the module docstring says how to "
+                 "make its environment")
+
+
 def start_table(script, engine, version, args, first_column):
     """Refuse a directory that is not a Hugging Face one (one line), then print the table's
     head."""
@@ -113,11 +123,7 @@ def start_table(script, engine, version, args, first_column):
 
 def main():
     args = peer_arguments("CTranslate2", "/tmp/ct2-models", "intra_threads").parse_args()
-    try:
-        import ctranslate2  # noqa: F401
-    except ImportError:
-        sys.exit("ctranslate2_peer.py: ctranslate2 is not installed here; the module docstring "
-                 "says how to make its environment")
+    ctranslate2 = engine_module("ctranslate2_peer.py", "ctranslate2", "ctranslate2")
     start_table("ctranslate2_peer.py", "CTranslate2", ctranslate2.__version__, args,
                 "CTranslate2 compute type (our row)")
     for compute_type, ours in COMPUTE_TYPES.items():

@@ -26,10 +26,9 @@ The first run of each is a warm-up; the median and min-max of --reps after it.
 
 import random
 import subprocess
-import sys
 
-from benchmarks.ctranslate2_peer import (BYTE_TOKENS, NEW_TOKENS, PREFILL_TOKENS, PROMPT_TOKENS, peer_arguments,
-                                         start_table, table_row, timed_rates)
+from benchmarks.ctranslate2_peer import (BYTE_TOKENS, NEW_TOKENS, PREFILL_TOKENS, PROMPT_TOKENS, engine_module,
+                                         peer_arguments, start_table, table_row, timed_rates)
 
 FORMATS = {"fp16": "bf16", "int8": "int8", "int4": "int4"}  # --weight-format -> our row
 FORMAT_OPTIONS = {"int4": ["--group-size", "128"]}  # asymmetric is optimum's default
@@ -76,11 +75,7 @@ def main():
     p.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS),
                    help="weight formats to export and run (default: all)")
     args = p.parse_args()
-    try:
-        import openvino_genai
-    except ImportError:
-        sys.exit("openvino_peer.py: openvino-genai is not installed here; the module docstring "
-                 "says how to make its environment")
+    openvino_genai = engine_module("openvino_peer.py", "openvino_genai", "openvino-genai")
     start_table("openvino_peer.py", "OpenVINO GenAI", openvino_genai.__version__, args,
                 "weight format (our row)")
     for weight_format in args.formats:
