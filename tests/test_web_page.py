@@ -322,9 +322,15 @@ def test_the_grid_fills_while_a_reply_streams_and_the_stop_button_frees_it(brows
     send(browser, "ROMEO:\n", max_tokens=FOREVER)
     wait_for(browser, lambda: grid(browser)["mine"] > 0 and grid(browser)["held"] > 0, "this tab's blocks")
     assert any(t.endswith("(this tab)") for t in texts(browser, "#cache-requests td:first-child"))
-    count = len(texts(browser, "#reply-tokens .token"))
-    wait_for(browser, lambda: len(texts(browser, "#reply-tokens .token")) > count, "more tokens")
-    browser.find_element(By.ID, "stop").click()
+    stop = browser.find_element(By.ID, "stop")
+    where = stop.location
+    # the reply outgrows the conversation's box: the box follows its end, the button stays put
+    wait_for(browser, lambda: js(browser, "document.getElementById('conversation').scrollTop") > 0,
+             "a reply longer than its box")
+    box = js(browser, "(b => [b.scrollHeight, b.scrollTop, b.clientHeight])(document.getElementById('conversation'))")
+    assert box[0] - box[1] - box[2] < 30, box  # at the end, give or take the last token's line
+    assert stop.location == where
+    stop.click()
     wait_for(browser, lambda: grid(browser)["held"] == grid(browser)["shared"] == 0, "the blocks freed")
     assert finished(browser) == "stopped" and texts(browser, "#cache-requests tr") == []
     h = health(url)

@@ -96,6 +96,15 @@ function addText(className, label, text = "") {
   return body;
 }
 
+// Runs grow() and keeps the conversation scrolled to its end, unless the reader had scrolled
+// up to read something earlier (then it stays where they are).
+function followingTheEnd(grow) {
+  const box = $("conversation");
+  const atEnd = box.scrollHeight - box.scrollTop - box.clientHeight < 2;
+  grow();
+  if (atEnd) box.scrollTop = box.scrollHeight;
+}
+
 // What to send: the endpoint, the body, and what /tokenize is asked for the prompt's tokens.
 function buildRequest(text) {
   const fields = {...readControls($("controls")), stream: true,
@@ -140,7 +149,7 @@ async function send() {
     for await (const event of api.stream(request.path, request.body, streaming.signal)) {
       cache.mine = event.id;
       for (const choice of event.choices) {
-        reply.textContent += chat ? (choice.delta.content ?? "") : choice.text;
+        followingTheEnd(() => { reply.textContent += chat ? (choice.delta.content ?? "") : choice.text; });
         const tokens = chat ? chatTokens(choice.logprobs) : completionTokens(choice.logprobs);
         for (const token of tokens) replyTokens.add(token);
         stats.tokens(tokens.length);
