@@ -74,8 +74,10 @@ def test_a_costly_template_is_stopped_with_the_bound_it_passed(source, message):
 
 
 def test_errors_of_a_template_are_template_errors_not_tracebacks():
-    cases = {"{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}": "RecursionError",
-             "{% for m in messages recursive %}{{ loop([m, m]) }}{% endfor %}": "RecursionError",
+    # endless recursion meets Python's limit, or on a slow or busy machine the time limit first
+    endless = ("RecursionError", "it takes longer than")
+    cases = {"{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}": endless,
+             "{% for m in messages recursive %}{{ loop([m, m]) }}{% endfor %}": endless,
              "{{ lipsum(1000000) }}": "'lipsum' is undefined",  # removed: lorem ipsum on demand
              "{{ raise_exception('no\\n' * 1000000) }}": "no",  # the first 500 characters
              "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}": "not a Jinja template",
@@ -85,7 +87,8 @@ def test_errors_of_a_template_are_template_errors_not_tracebacks():
         try:
             ChatTemplate(source, TOKENIZER).render(HI)
         except TemplateError as e:
-            assert message in str(e) and "\n" not in str(e)
+            messages = message if isinstance(message, tuple) else (message,)
+            assert any(m in str(e) for m in messages) and "\n" not in str(e)
         else:
             raise AssertionError(f"{source[:40]} rendered")
 
