@@ -58,8 +58,8 @@ using floats16 = float __attribute__((vector_size(64)));
 // streams, which the CPU's own prefetcher follows less well than one). Into which cache
 // depends on the CPU, measured on each (an output layer 128256 x 2048, 2 threads): on a Xeon
 // into L1 (_MM_HINT_T0: 24 -> 29 GB/s over no prefetch, bf16), on a Zen 4 EPYC into L2
-// (_MM_HINT_T1: int4 19 -> 29 GB/s, int8 18 -> 26, bf16 25 -> 28 against T0, in turns in one
-// process; python -m benchmarks.quantized_kernels shows both CPUs' figures).
+// (_MM_HINT_T1: int4 19 -> 29 GB/s, int8 18 -> 26, bf16 25 -> 28 against T0: the kernel
+// built both ways, in turns in one process, on weights that stream from memory).
 const bool PREFETCH_TO_L2 = __builtin_cpu_is("amd");
 
 ALWAYS_INLINE void prefetch_ahead(const void* address) {
