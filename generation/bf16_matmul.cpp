@@ -60,7 +60,12 @@ using floats16 = float __attribute__((vector_size(64)));
 // into L1 (_MM_HINT_T0: 24 -> 29 GB/s over no prefetch, bf16), on a Zen 4 EPYC into L2
 // (_MM_HINT_T1: int4 19 -> 29 GB/s, int8 18 -> 26, bf16 25 -> 28 against T0: the kernel
 // built both ways, in turns in one process, on weights that stream from memory).
-const bool PREFETCH_TO_L2 = __builtin_cpu_is("amd");
+// (__builtin_cpu_init first: this runs as the library loads, maybe before libgcc's own
+// constructor has read the CPU's identity)
+const bool PREFETCH_TO_L2 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") != 0;
+}();
 
 ALWAYS_INLINE void prefetch_ahead(const void* address) {
   if (PREFETCH_TO_L2)
