@@ -83,7 +83,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from generation import bf16_matmul, quantized_matmul
+from generation import dense_matmul, quantized_matmul
 
 SCHEMES = ("int8", "int4")
 INT4_GROUP_SIZE = 64  # the default where it divides every width (int4_group_size)
@@ -182,7 +182,7 @@ class QuantizedLinear(nn.Module):
         self.scale_dtype = {"ours": KERNEL_DTYPE, "torch": self.compute_dtype}.get(self.kernel, self.dtype)
         # what a prompt's rows multiply in (dequantized_matmul), asked once here: forward() may
         # be traced by torch.compile, which cannot trace the question
-        self.prompt_dtype = torch.bfloat16 if self.kernel == "ours" and bf16_matmul.computes_bf16_natively() \
+        self.prompt_dtype = torch.bfloat16 if self.kernel == "ours" and dense_matmul.computes_bf16_natively() \
             else self.compute_dtype
 
     def forward(self, x):

@@ -37,6 +37,7 @@ from benchmarks.timing import alternate, spread, timed  # noqa: E402
 from benchmarks.weight_formats import weight_bytes_per_token  # noqa: E402
 from generation.compiled_step import reads_own_weights  # noqa: E402
 from generation.cpu_layout import pack_linears  # noqa: E402
+from generation.dense_matmul import DenseLinear  # noqa: E402
 from generation.loop import GenerationStats, synchronize  # noqa: E402
 from weight_quant import INT4_GROUP_SIZES, int4_group_size, quantize_model  # noqa: E402
 
@@ -81,7 +82,22 @@ def ours_variant(fp32_model, dtype, scheme, group_size, compile, kernels=None):
     model = copy.deepcopy(fp32_model, converted).to(dtype)  # the rest: norms, buffers
     if scheme:
         return quantize_model(model, scheme, group_size)
-    return model if kernels == "torch" else pack_linears(model)
+    return torchs_linears(model) if kernels == "torch" else pack_linears(model)
+
+
+def torchs_linears(model):
+    """Every DenseLinear of model (a real-size fp32 model's, copied) made a plain nn.Linear
+    over the same Parameters, in place: F.linear multiplies them. Returns the model."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, DenseLinear):
+                plain = nn.Linear.__new__(nn.Linear)
+                nn.Module.__init__(plain)  # not nn.Linear's: it would allocate a new weight
+                plain.in_features, plain.out_features = child.in_features, child.out_features
+                plain.weight = child.weight
+                plain.register_parameter("bias", child.bias)
+                setattr(parent, name, plain)
+    return model
 
 
 def compile_step(model, prompt):

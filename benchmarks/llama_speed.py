@@ -41,6 +41,7 @@ from benchmarks.llama_bench import llama_bench_missing, llama_bench_rows  # noqa
 from benchmarks.prefill_speed import FORMS, matmul_peak, prefill_rows  # noqa: E402
 from benchmarks.peers import llama_cpp_missing  # noqa: E402
 from benchmarks.report import print_decode_speed, print_prefill  # noqa: E402
+from generation.cpu_layout import DENSE_MIN_WEIGHTS, pack_linears  # noqa: E402
 from kv_cache import KVCacheLlama  # noqa: E402
 from llama import LlamaConfig  # noqa: E402
 from plumbing.cli import ArgumentParser, add_benchmark_args  # noqa: E402
@@ -70,12 +71,16 @@ COMPILED = {"bf16": "ours bf16 compiled", "int8": "ours int8 compiled", "int4": 
 
 
 def random_llama(config, device="cpu", seed=0):
-    """A KVCacheLlama of random weights (llama.Llama's initialisation), its Linear weights
-    column-major as every command keeps them, but not packed for oneDNN as the commands
-    also do (generation/cpu_layout.py): that second copy, 4.9 GB at this shape, would not
-    fit in 24 GB beside the other contestants (the run peaks at 22.5 GB without it)."""
+    """A KVCacheLlama of random weights (llama.Llama's initialisation) in the CPU layout the
+    commands give it (cpu_layout.pack_linears: the large weights multiplied where they lie,
+    by our kernel and oneDNN's GEMM), but for the k and v projections (512 x 2048 at the 1B
+    shape, 3% of the bytes): the commands pack those for oneDNN, whose Parameter then holds
+    nothing, and the other forms are converted from these Parameters; they stay column-major
+    (base_model.store_linears_column_major, MKL's), as every command keeps a weight too small
+    to pack."""
     torch.manual_seed(seed)
-    return store_linears_column_major(KVCacheLlama(config).to(device).eval())
+    model = pack_linears(KVCacheLlama(config).to(device).eval(), min_weights=DENSE_MIN_WEIGHTS)  # none packed
+    return store_linears_column_major(model)
 
 
 def llama_speed(shape, n, reps, device, prefill_lengths=PREFILL_LENGTHS, forms=tuple(FORMS), compiled=False):

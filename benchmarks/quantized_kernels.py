@@ -2,8 +2,8 @@
 The quantized matrix-vector products alone, at the shapes of real models: torch's CPU
 kernels (torch._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu, fed bf16, what
 weight_quant.py falls back to) beside ours (generation/quantized_matmul.cpp), and the same
-for bf16 weights (torch's F.linear beside generation/bf16_matmul.cpp, x in bf16), on 1 and 2
-threads, each against the memory's speed measured in the same run (a plain sum of 1 GiB).
+for dense weights (generation/dense_matmul.cpp beside torch's F.linear: oneDNN's for bf16
+weights and x, MKL's for fp32, and oneDNN's packed fp32 layout), on 1 and 2 threads, each against the memory's speed measured in the same run (a plain sum of 1 GiB).
 
     python -m benchmarks.quantized_kernels                  # the 1B and 8B shapes, ~2 minutes
     python -m benchmarks.quantized_kernels --rows 1 4       # and 4 rows (a small batch)
@@ -23,8 +23,9 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from generation import bf16_matmul, quantized_matmul  # noqa: E402
-from generation.bf16_matmul import Bf16Linear  # noqa: E402
+from generation import dense_matmul, quantized_matmul  # noqa: E402
+from generation.cpu_layout import PackedLinear  # noqa: E402
+from generation.dense_matmul import DenseLinear  # noqa: E402
 from plumbing.cli import ArgumentParser, positive_int  # noqa: E402
 from plumbing.outputs import check_output_path, publish_result  # noqa: E402
 from weight_quant import Int4Linear, Int8Linear  # noqa: E402
@@ -40,9 +41,14 @@ KERNELS = {  # name: how its Linear is made (each casts fp32 x to what its kerne
     "int4 ours": (lambda lin: Int4Linear(lin, 64, kernel="ours")),
     # bf16 weights, not quantized, fed bf16 x as a bf16 model's are: F.linear, and ours
     "bf16 torch": (lambda lin: copy.deepcopy(lin).bfloat16()),
-    "bf16 ours": (lambda lin: Bf16Linear(copy.deepcopy(lin).bfloat16())),
+    "bf16 ours": (lambda lin: DenseLinear(copy.deepcopy(lin).bfloat16())),
+    # fp32 weights: F.linear (MKL), oneDNN's packed copy (the fp32 model's Linears), ours
+    # (the fp32 table pack_linears leaves dense)
+    "fp32 torch": (lambda lin: copy.deepcopy(lin)),
+    "fp32 packed": (lambda lin: PackedLinear(copy.deepcopy(lin))),
+    "fp32 ours": (lambda lin: DenseLinear(copy.deepcopy(lin))),
 }
-RATIOS = ("int8", "int4", "bf16")  # the "torch / ours" columns: torch's time over ours
+RATIOS = ("int8", "int4", "bf16", "fp32")  # the "torch / ours" columns: torch's time over ours
 
 
 def best_seconds(fn, reps):
@@ -88,12 +94,13 @@ def quantized_kernels(shapes, threads, rows, reps):
                     table.append({"shape": shape, "threads": n_threads, "rows": n_rows, "read_GBps": bandwidth,
                                   "weight": f"{out_features}x{in_features}",
                                   "kernels": shape_rows(out_features, in_features, n_rows, reps, bandwidth)})
-    return {"isa": quantized_matmul.best_isa(), "bf16_isa": bf16_matmul.best_isa(), "table": table}
+    return {"isa": quantized_matmul.best_isa(), "bf16_isa": dense_matmul.best_isa(),
+            "fp32_isa": dense_matmul.best_isa(torch.float32), "table": table}
 
 
 def print_table(r):
-    print(f"\n## Quantized and bf16 products alone: ms [GB/s of weights, x the read floor]; ours in "
-          f"{r['isa']} (bf16: {r['bf16_isa']})")
+    print(f"\n## Quantized and dense products alone: ms [GB/s of weights, x the read floor]; ours in "
+          f"{r['isa']} (bf16: {r['bf16_isa']}, fp32: {r['fp32_isa']})")
     names = list(KERNELS)
     print("| shape | weight (out x in) | threads | rows | read GB/s | " + " | ".join(names)
           + "".join(f" | {s} torch / ours" for s in RATIOS) + " |")
@@ -117,7 +124,7 @@ def main():
     args = p.parse_args()
     if args.json is not None:
         check_output_path(args.json, "json")
-    if quantized_matmul.kernels() is None or bf16_matmul.kernels() is None:
+    if quantized_matmul.kernels() is None or dense_matmul.kernels() is None:
         p.error("our kernels could not be built here (see the warning above)")
     publish_result(quantized_kernels(args.shapes, args.threads, args.rows, args.reps),
                    "benchmarks.quantized_kernels", print_table, args.json)

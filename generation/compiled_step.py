@@ -173,7 +173,7 @@ BUILD_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
 # the package is code alone, a few MB instead of a second copy of the weights (1.22 GB at the
 # 1B shape in int4), and the model's memory is counted once. No max_autotune: inductor's
 # matmul template lays a weight out as a constant of its own, which such a library would
-# not have (a float product left in the step, a batch's rows past Bf16Linear's, is aten's).
+# not have (a float product left in the step, a batch's rows past DenseLinear's, is aten's).
 OWN_WEIGHTS_OPTIONS = {"freezing": False, "aot_inductor.package_constants_in_so": False}
 
 

@@ -52,16 +52,25 @@ A weight tied to an embedding (GPT-2's lm_head) is packed beside its dense table
 the lookup needs: that one matrix is held twice, because unpacked it made GPT-2 small's
 batch of 16 6.5x batch 1 instead of 9.3x (python -m benchmarks.batching --shape gpt2
 --sizes 1,16, 2026-12-03). Up to TIED_PACK_MAX_BYTES only: Llama-3.2-1B's tied table is
-1.05 GB in float32, a second copy of which would be a fifth of the model again; there the
-head multiplies through MKL from the one dense table (it reads one row per sequence while
-decoding, and only the last position of a prompt). A model whose decode step is compiled stops packing
-(unpack_linears): inductor lays out the weights it compiles itself, and the graph reads
-the Parameters.
+1.05 GB in float32, a second copy of which would be a fifth of the model again. A model
+whose decode step is compiled stops packing (unpack_linears): inductor lays out the
+weights it compiles itself, and the graph reads the Parameters.
 
-A bfloat16 Linear is not packed: a decode step's product reads the weight as it lies with
-our kernel (generation/bf16_matmul.py: a copy would hold a tied table twice and turn a
-memory-mapped checkpoint's pages into memory), so pack_linears makes it a Bf16Linear, which
-a compiled step calls too; larger products stay F.linear's (oneDNN's bf16 GEMM).
+A real-size model's weights are not packed either: a float32 weight of at least
+DENSE_MIN_WEIGHTS (2^22, the 1B shape's 2048 x 2048 and larger) and every bfloat16 one
+become a DenseLinear (generation/dense_matmul.py), which multiplies the weight where it
+lies: our kernel for a decode step's few rows, oneDNN's GEMM over the dense weight for
+more. At the 1B shape's fp32 weights on a 2-core Zen 4 EPYC (python -m
+benchmarks.quantized_kernels --shapes llama-3.2-1b --threads 2 --rows 1 16 128), against
+the packed product: one row 0.67-0.80x its time (the three largest; 2048 x 2048, which fits
+the 32 MB L3 when timed alone, 1.3x), 16 rows 1.3-1.5x, 128 (a prompt) 1.05-1.06x. Whole
+runs chose the line: `generate.py --hf DIR --dtype float32` at that shape decoded 9.0 tok/s
+instead of 4.8 and prefilled 511 tokens at 70.5 instead of 57.6 (in turns, medians of 3,
+docs/benchmarks.md), as nothing is copied: no packing pass at the first call (3.8 s of the
+first token's time at this size), a memory-mapped checkpoint's pages left mapped, the tied
+table held once. At GPT-2 small's widths the dense GEMM is 1.1-1.9x slower than the packed
+one at 4-64 rows, so smaller weights, and a tied table small enough to hold twice, stay
+packed.
 """
 
 import collections
@@ -70,11 +79,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from generation import bf16_matmul
+from generation import dense_matmul
 
 BATCH_HINT = 16  # rows oneDNN tunes the blocked layout for; any number of rows works with it
 PACK_MIN_WEIGHTS = 2**19  # smaller weights multiply faster through MKL (see above)
 TIED_PACK_MAX_BYTES = 2**28  # a tied weight past this is not held twice (see above)
+DENSE_MIN_WEIGHTS = 2**22  # float32 weights this large multiply where they lie (see above)
 
 
 class PackedLinear(nn.Linear):
@@ -156,21 +166,32 @@ def as_parameter(values, like):
 
 
 def pack_linears(model, min_weights=PACK_MIN_WEIGHTS):
-    """Give every nn.Linear of a CPU model the multiply its dtype wants, in place; returns
-    the model. A float32 one with at least min_weights weights becomes a PackedLinear (a
-    weight tied to another module keeps its dense copy too, or past TIED_PACK_MAX_BYTES is
-    not packed); a bfloat16 one a Bf16Linear (generation/bf16_matmul.py: our kernel for
-    decode steps, over the weight where it lies). Anything else (smaller, another device or
-    dtype, quantized layers, a torch without oneDNN, no built kernel) is left as it is."""
+    """Give every nn.Linear of a CPU model the multiply its dtype and size want, in place;
+    returns the model. One our kernel serves (stays_dense) becomes a DenseLinear
+    (generation/dense_matmul.py: decode steps over the weight where it lies); another
+    float32 one with at least min_weights weights a PackedLinear (a weight tied to another
+    module keeps its dense copy too). Anything else (smaller, another device or dtype,
+    quantized layers, a torch without oneDNN, no built kernel) is left as it is."""
     holders = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             tied = isinstance(child, nn.Linear) and holders[id(child.weight)] > 1
-            if bf16_matmul.kernel_fits(child):
-                setattr(parent, name, bf16_matmul.for_our_kernel(child))
+            if stays_dense(child, tied):
+                setattr(parent, name, dense_matmul.for_our_kernel(child))
             elif packs(child, min_weights, tied):
                 setattr(parent, name, PackedLinear(child, keep_dense=tied))
     return model
+
+
+def stays_dense(linear, tied):
+    """Whether a Linear multiplies over its dense weight (see the module docstring), where
+    our kernel is built: every bfloat16 one; a float32 one tied past TIED_PACK_MAX_BYTES;
+    an untied float32 one of at least DENSE_MIN_WEIGHTS weights (a tied one smaller than
+    that limit is packed beside its dense table)."""
+    if not dense_matmul.kernel_fits(linear):
+        return False
+    return (linear.weight.dtype == torch.bfloat16 or too_large_to_hold_twice(linear, tied)
+            or (linear.weight.numel() >= DENSE_MIN_WEIGHTS and not tied))
 
 
 def packs(linear, min_weights, tied):
@@ -179,7 +200,13 @@ def packs(linear, min_weights, tied):
     copy beside the dense weight the other module reads) only up to TIED_PACK_MAX_BYTES."""
     return (type(linear) is nn.Linear and linear.weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
             and linear.weight.dtype == torch.float32 and linear.weight.numel() >= min_weights
-            and not (tied and linear.weight.nbytes > TIED_PACK_MAX_BYTES))
+            and not too_large_to_hold_twice(linear, tied))
+
+
+def too_large_to_hold_twice(linear, tied):
+    """A tied weight past TIED_PACK_MAX_BYTES: a packed copy beside the dense one would cost
+    too much memory."""
+    return tied and linear.weight.nbytes > TIED_PACK_MAX_BYTES
 
 
 def unpack_linears(model):

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from base_model import GPT
-from generation import bf16_matmul
+from generation import dense_matmul
 from llama import Llama
 from plumbing.files import read_checkpoint
 from plumbing.mapped_pages import release_file_pages
@@ -328,7 +328,7 @@ def auto_dtype(saved, device, quantize=None):
     """(dtype, why): the dtype a checkpoint saved as `saved` runs in on `device` under
     --dtype auto: its own, where this device computes it at least as fast as float32.
     On a CPU with native bf16 arithmetic (AVX-512 BF16, AMX) where our bf16 kernel is built
-    (bf16_matmul.computes_bf16_natively), a bf16 or fp16 checkpoint computes in bfloat16:
+    (dense_matmul.computes_bf16_natively), a bf16 or fp16 checkpoint computes in bfloat16:
     at Llama-3.2-1B's shape on a Zen 4 EPYC, 15-19 decoded tokens/s through generate.py
     against float32's 10.3, and 3.8x its prefill (docs/benchmarks.md). Elsewhere on
     a CPU it computes in float32: each tensor is converted as it is read, one float32 copy
@@ -345,7 +345,7 @@ def auto_dtype(saved, device, quantize=None):
     if device.type == "cpu" and quantize is not None:
         return torch.bfloat16, (f"the checkpoint is {name} and --quantize {quantize}'s kernels "
                                 "compute in bfloat16 on a CPU: what stays float stays bfloat16")
-    if device.type == "cpu" and bf16_matmul.computes_bf16_natively():
+    if device.type == "cpu" and dense_matmul.computes_bf16_natively():
         return torch.bfloat16, (f"the checkpoint is {name} and this CPU multiplies bfloat16 in "
                                 "hardware (AVX-512 BF16): faster than float32, half the memory")
     if device.type == "cpu":

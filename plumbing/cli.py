@@ -156,8 +156,8 @@ def prepare_for_generation(model, args):
     of a comparison too, so that both loops run the same weights the same way): --quantize
     (already done by the loaders: then it finds no Linear left to quantize), then the large
     Linears left in float32 on the CPU packed for oneDNN (generation/cpu_layout.py: batches,
-    prefills and the serving engine's steps) and the bfloat16 ones given our decode kernel
-    (generation/bf16_matmul.py), then the decode-speed layout for the float32 ones left
+    prefills and the serving engine's steps) and the bfloat16 ones (and a tied float32 table
+    too large to pack twice) given our decode kernel (generation/dense_matmul.py), then the decode-speed layout for the float32 ones left
     (base_model.store_linears_column_major). Each step re-lays one weight at a time, in place
     of the one it re-lays."""
     return store_linears_column_major(pack_linears(quantize_from_args(model, args)))

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from base_model import GPTConfig
 from conftest import TINY_CONFIGS, tiny_model
+from generation import dense_matmul
 from generation.cpu_layout import PackedLinear, pack_linears, unpack_linears
+from generation.dense_matmul import DenseLinear
 from weight_quant import Int8Linear, quantize_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
@@ -57,13 +59,16 @@ def test_a_model_packs_every_float32_linear_and_keeps_its_state_dict_and_tie():
 
 
 def test_a_large_tied_head_is_not_held_twice(monkeypatch):
-    """Past TIED_PACK_MAX_BYTES a tied head stays a plain Linear over the one dense table
-    (Llama-3.2-1B's is 1.05 GB in float32: a packed copy beside it would be a fifth more)."""
+    """Past TIED_PACK_MAX_BYTES a tied head is not packed: it multiplies over the one dense
+    table (Llama-3.2-1B's is 1.05 GB in float32: a packed copy beside it would be a fifth
+    more), through our kernel where it is built (tests/test_dense_matmul.py)."""
     model = tiny_model(TINY_CONFIGS[0])
     monkeypatch.setattr("generation.cpu_layout.TIED_PACK_MAX_BYTES", model.lm_head.weight.nbytes - 1)
     pack_linears(model, min_weights=0)
-    assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.transformer.wte.weight
+    assert type(model.lm_head) is (nn.Linear if dense_matmul.kernels() is None else DenseLinear)
+    assert model.lm_head.weight is model.transformer.wte.weight
     assert type(model.transformer.h[0].mlp.c_fc) is PackedLinear  # the others are packed as before
+
 
 @torch.no_grad()
 def test_the_packed_copy_replaces_the_weight_and_gives_it_back_exactly():
@@ -134,7 +139,7 @@ def test_other_dtypes_quantized_layers_and_compiled_graphs_use_the_plain_weight(
     half = pack_linears(nn.Sequential(copy.deepcopy(lin).to(torch.float16)), min_weights=0)
     assert type(half[0]) is nn.Linear  # fp16: oneDNN's layout is packed for float32 only
     bf16 = pack_linears(nn.Sequential(copy.deepcopy(lin).to(torch.bfloat16)), min_weights=0)
-    assert type(bf16[0]) is not PackedLinear  # bf16 gets our kernel (tests/test_bf16_matmul.py)
+    assert type(bf16[0]) is not PackedLinear  # bf16 gets our kernel (tests/test_dense_matmul.py)
     packed = PackedLinear(lin)
     x = torch.randn(3, 16)
     compiled = torch.compile(packed, fullgraph=True)  # traces the F.linear branch

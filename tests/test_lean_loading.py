@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from conftest import ROOT, TINY_CONFIGS, byte_tokenizer_spec, tiny_model
-from generation import bf16_matmul
+from generation import dense_matmul
 from hf_llama_dirs import byte_level_tokenizer, hf_classes, make_hf_llama_dir
 from kv_cache import CACHED_MODELS
 from llama import Llama, LlamaConfig
@@ -202,7 +202,7 @@ def test_bf16_hf_dir_loaded_in_bf16_is_the_file(tmp_path, name):
 
 def without_bf16_arithmetic(monkeypatch, native=False):
     """Run as on a CPU without (or, native=True, with) AVX-512 BF16, whichever this one is."""
-    monkeypatch.setattr(bf16_matmul, "computes_bf16_natively", lambda: native)
+    monkeypatch.setattr(dense_matmul, "computes_bf16_natively", lambda: native)
 
 
 @pytest.mark.parametrize("config_key", ["dtype", "torch_dtype"])

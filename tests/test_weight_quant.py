@@ -36,7 +36,7 @@ from conftest import TINY_CONFIGS, byte_tokenizer_spec, tiny_model
 from plumbing.scoring import score
 from kv_cache import CACHED_MODELS
 import weight_quant
-from generation import bf16_matmul, quantized_matmul
+from generation import dense_matmul, quantized_matmul
 from weight_quant import (CHUNK_ROWS, FLOAT_MATMUL_ROWS, Int4Linear, Int8Linear, QuantizedLinear,
                           dequantize_int4, dequantize_int8, int4_group_size, quantize_int4, quantize_int8,
                           quantize_model)
@@ -219,7 +219,7 @@ def test_a_cpu_with_bf16_arithmetic_multiplies_a_prompt_in_bf16(scheme, monkeypa
     of x and the dequantized weight, each rounded to bf16 first: against that same product in
     float64, within the product's rounding to bf16 (2^-8 of it, before the bias is added in
     fp32) and fp32 sums (1e-5)."""
-    monkeypatch.setattr(bf16_matmul, "computes_bf16_natively", lambda: True)
+    monkeypatch.setattr(dense_matmul, "computes_bf16_natively", lambda: True)
     lin = linear(CHUNK_ROWS + 76, 64)
     q = quantized(lin, scheme, "ours")
     assert q.prompt_dtype == torch.bfloat16
