@@ -3,7 +3,8 @@ The quantized matrix-vector products alone, at the shapes of real models: torch'
 kernels (torch._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu, fed bf16, what
 weight_quant.py falls back to) beside ours (generation/quantized_matmul.cpp), and the same
 for dense weights (generation/dense_matmul.cpp beside torch's F.linear: oneDNN's for bf16
-weights and x, MKL's for fp32, and oneDNN's packed fp32 layout), on 1 and 2 threads, each against the memory's speed measured in the same run (a plain sum of 1 GiB).
+weights and x, MKL's for fp32, and oneDNN's packed fp32 layout), on 1 and 2 threads, each
+against the memory's speed measured in the same run (a plain sum of 1 GiB).
 
     python -m benchmarks.quantized_kernels                  # the 1B and 8B shapes, ~2 minutes
     python -m benchmarks.quantized_kernels --rows 1 4       # and 4 rows (a small batch)
@@ -42,8 +43,8 @@ KERNELS = {  # name: how its Linear is made (each casts fp32 x to what its kerne
     # bf16 weights, not quantized, fed bf16 x as a bf16 model's are: F.linear, and ours
     "bf16 torch": (lambda lin: copy.deepcopy(lin).bfloat16()),
     "bf16 ours": (lambda lin: DenseLinear(copy.deepcopy(lin).bfloat16())),
-    # fp32 weights: F.linear (MKL), oneDNN's packed copy (the fp32 model's Linears), ours
-    # (the fp32 table pack_linears leaves dense)
+    # fp32 weights: F.linear (MKL), oneDNN's packed copy (a small model's Linears), and
+    # DenseLinear (a real-size model's: ours up to its rows, oneDNN's over the dense weight past them)
     "fp32 torch": (lambda lin: copy.deepcopy(lin)),
     "fp32 packed": (lambda lin: PackedLinear(copy.deepcopy(lin))),
     "fp32 ours": (lambda lin: DenseLinear(copy.deepcopy(lin))),
