@@ -126,11 +126,13 @@ class DenseLinear(nn.Linear):
                 and not self.wants_gradient())
 
     def onednn_applies(self, x):
-        """fp32 on the CPU where torch has oneDNN, no gradient to the weight, and not in a
-        graph being compiled (inductor picks its own GEMM for F.linear)."""
-        return (x.device.type == "cpu" and x.dtype == self.weight.dtype == torch.float32
-                and (self.bias is None or self.bias.dtype == torch.float32) and torch.backends.mkldnn.is_available()
-                and not torch.compiler.is_compiling() and not self.wants_gradient())
+        """Not in a graph being compiled (inductor picks its own GEMM for F.linear, and
+        torch.compile refuses to trace torch.backends), fp32 on the CPU where torch has
+        oneDNN, and no gradient to the weight."""
+        return (not torch.compiler.is_compiling() and x.device.type == "cpu"
+                and x.dtype == self.weight.dtype == torch.float32
+                and (self.bias is None or self.bias.dtype == torch.float32)
+                and torch.backends.mkldnn.is_available() and not self.wants_gradient())
 
     def wants_gradient(self):
         """Gradients are to flow to the weight (training), outside a graph being compiled."""

@@ -176,6 +176,20 @@ def test_a_compiled_graph_calls_the_operator():
         torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows", [3, MATVEC_ROWS + 5])
+def test_a_compiled_graph_takes_fp32_products_past_the_kernels_rows(rows):
+    """torch.compile (the serving engine's paged decode step, eager or not) traces an fp32
+    DenseLinear in one graph either side of MATVEC_ROWS: our operator for a few rows,
+    F.linear for more (inductor's own GEMM; the eager call to oneDNN is not traced).
+    Against the eager products within fp32 rounding: the sums' order differs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(DenseLinear(nn.Linear(96, 64)), nn.ReLU(), DenseLinear(nn.Linear(64, 32, bias=False)))
+    x = torch.randn(rows, 96)
+    with torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True)  # fullgraph: a graph break would fail here
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+
+
 CONFIG = GPTConfig(context_len=16, vocab_size=64, n_layer=1, n_head=2, n_embd=64)
 
 
