@@ -1,5 +1,6 @@
 """
-Large Linear weights laid out once for the CPU's matrix-multiply kernel.
+Large Linear weights laid out once for the CPU's matrix-multiply kernel, and a real-size
+model's left where they lie for ours (DenseLinear, below).
 
 On the CPU, F.linear calls MKL's sgemm on the weight as it lies (row-major, or the
 column-major copy that base_model.store_linears_column_major keeps for batch-1 decoding).
