@@ -168,7 +168,7 @@ def as_parameter(values, like):
 
 def pack_linears(model, min_weights=PACK_MIN_WEIGHTS):
     """Give every nn.Linear of a CPU model the multiply its dtype and size want, in place;
-    returns the model. One our kernel serves (stays_dense) becomes a DenseLinear
+    returns the model. One that our kernel serves (stays_dense) becomes a DenseLinear
     (generation/dense_matmul.py: decode steps over the weight where it lies); another
     float32 one with at least min_weights weights a PackedLinear (a weight tied to another
     module keeps its dense copy too). Anything else (smaller, another device or dtype,
