@@ -266,8 +266,10 @@ def gather_cost(model, tokenizer, args, batch, context, reps=5):
     # it (the pool's size is a constant of the graph), unless it has no room for them all
     serving_pool = args.num_blocks or default_num_blocks(
         model.config, tpb, args.max_batch, dtype_name(model.lm_head.weight.dtype))
+    # room for all (no preemption), and no mixed steps: with a decode pass beside each
+    # prefill chunk the first sequences would finish their 2 tokens before the last joined
     engine = Engine(model, tokenizer, num_blocks=max(serving_pool, batch * -(-(context + 1) // tpb)),
-                    tokens_per_block=tpb, max_batch=batch)  # room for all: no preemption
+                    tokens_per_block=tpb, max_batch=batch, max_step_tokens=0)
     g = torch.Generator().manual_seed(args.seed + 2)
     prompts = [torch.randint(tokenizer.n_vocab, (context,), generator=g).tolist()
                for _ in range(batch)]

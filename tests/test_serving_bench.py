@@ -66,6 +66,32 @@ def test_continuous_serves_the_workload_with_the_engine_on_either_thread(engine_
     assert len(engine.pool.free) == engine.pool.num_blocks  # every block back
 
 
+def test_the_step_timings_gather_a_batch_larger_than_one_prefill_pass(monkeypatch):
+    """gather_cost fills the batch before timing one step of it: with more prompt tokens than
+    a step's budget (6 x 120 > MAX_STEP_TOKENS) the first prompts must not finish before the
+    last are admitted (they did with mixed steps, and the loop never ended)."""
+    from argparse import Namespace
+    from base_model import GPTConfig
+    from conftest import byte_tokenizer, tiny_model
+    from benchmarks import serving as bench
+    from serving.scheduler import MAX_STEP_TOKENS
+
+    model = tiny_model(GPTConfig(context_len=128, vocab_size=260, n_layer=1, n_head=2, n_embd=16))
+    steps = []
+
+    def counted_step(self):  # a bound, so that the old endless loop fails instead of hanging
+        steps.append(1)
+        assert len(steps) < 50, "the batch never filled"
+        return real_step(self)
+    real_step = bench.Engine.step
+    monkeypatch.setattr(bench.Engine, "step", counted_step)
+    args = Namespace(tokens_per_block=16, num_blocks=0, max_batch=6, seed=0, compile=False)
+    assert 6 * 120 > MAX_STEP_TOKENS
+    result = bench.gather_cost(model, byte_tokenizer(), args, batch=6, context=120, reps=1)
+    assert result["batch"] == 6 and result["dense_step_ms"] > 0
+    assert len(steps) <= 6  # prefill passes only: one per prompt at most
+
+
 @pytest.mark.parametrize("args, mention", [
     (["--rate", "-1"], "--rate"), (["--rate", "nan"], "--rate"), (["--rate", "inf"], "--rate"),
     (["--modes", ""], "--modes: choose from"), (["--modes", "http,http"], "http given twice"),
