@@ -32,6 +32,7 @@ from collections import deque
 
 import torch
 
+from generation.dense_matmul import MATVEC_ROWS
 from kv_quant import dtype_name
 from serving.admission import Limits
 from serving.model_runner import ModelRunner
@@ -248,14 +249,19 @@ class Engine:
     # ------------------------------------------------------------------ running it
 
     def warm_up(self):
-        """Run throwaway requests, alone and two together, so that the decode step is
-        compiled before real requests come: torch.compile makes a size of 1 a constant, so
-        a batch of one sequence is a graph of its own (unless the lone step takes it), and
-        the first call with two sequences of more than one column compiles the graph that
-        serves every other batch and context (a pass over one column only, a one-token
-        prompt's prefill, stays eager: it would be a third graph)."""
+        """Run throwaway requests, alone, two together and a few more than MATVEC_ROWS
+        together, so that the decode step is compiled before real requests come:
+        torch.compile makes a size of 1 a constant, so a batch of one sequence is a graph of
+        its own (unless the lone step takes it); the first call with two sequences of more
+        than one column compiles the graph that serves every other batch and context; and
+        a model with DenseLinears (bf16 weights) multiplies up to MATVEC_ROWS rows through
+        our kernel and more through oneDNN, a branch on the rows that makes a third graph
+        (compiled by the first burst of requests otherwise: 7 s of their first tokens on
+        the bundled model). A pass over one column only, a one-token prompt's prefill,
+        stays eager: it would be a graph more."""
         params = SamplingParams(max_tokens=2, temperature=0, stop_at_eot=False)
-        for batch in (1, 2):
+        past_few_rows = min(self.scheduler.max_batch, MATVEC_ROWS + 1)
+        for batch in sorted({1, 2, past_few_rows}):
             for _ in range(batch):
                 self.add_request([0, 0], params)
             self.run_until_done()

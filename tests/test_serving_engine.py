@@ -188,6 +188,26 @@ def test_a_failed_step_ends_what_was_in_flight_and_the_engine_goes_on(model, mon
     assert_pool_is_whole(engine)
 
 
+@pytest.mark.parametrize("max_batch", [4, 64])
+def test_warm_up_runs_every_decode_width_the_compiled_step_splits_on(model, monkeypatch, max_batch):
+    """A compiled step is a graph for one sequence, one for a few and, over DenseLinears,
+    one past MATVEC_ROWS rows (our kernel's limit): warm_up decodes each width, so that no
+    request pays for a compile (with max_batch 4 no pass is that wide)."""
+    from generation.dense_matmul import MATVEC_ROWS
+    engine = Engine(model, TOKENIZER, max_batch=max_batch)
+    widths = []
+    real_forward = engine.runner.forward
+
+    def forward_counted(batch):
+        if all(s.num_fed == 1 for s in batch):  # a decode pass: a row per sequence
+            widths.append(len(batch))
+        return real_forward(batch)
+    monkeypatch.setattr(engine.runner, "forward", forward_counted)
+    engine.warm_up()
+    assert sorted(set(widths)) == ([1, 2, 4] if max_batch == 4 else [1, 2, MATVEC_ROWS + 1])
+    assert_pool_is_whole(engine)
+
+
 def test_bad_requests_are_refused_before_they_queue(model):
     engine = Engine(model, TOKENIZER)
     with pytest.raises(ValueError, match="1 to 64 tokens"):
