@@ -164,7 +164,7 @@ class ModelRunner:
         a short context is what gains (a prefix hit's last tokens, a short prompt). Without
         compile the step's matmuls are MKL's, and a prefix hit's 16 rows ran slower through
         it than eagerly (16.4 against 14.4 ms). And some row reads more than one column (a
-        pass over one column only, a one-token prompt's prefill, would be a third graph:
+        pass over one column only, a one-token prompt's prefill, would be a graph more:
         Engine.warm_up)."""
         if any(s.score_prompt for s in batch):
             return False

@@ -168,7 +168,7 @@ def frozen_decode_step(model, tokens, positions, kv, read_slots, write_slots, vi
 
 
 _compiled = {}  # freeze -> the step compiled (torch.compile's wrapper, made once per process)
-GRAPH_LIMIT = 64  # graphs of the frozen step per process: two per model (see below)
+GRAPH_LIMIT = 64  # graphs of the frozen step per process: two or three per model (see below)
 
 
 def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, visible, temperature,
@@ -193,7 +193,7 @@ def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, 
     serves it, and each model is a graph of its own (compiled again for every model, timing
     its matmuls: a minute or more per engine in a process that makes many, hence not the
     default). A server
-    compiles two; the limit of graphs per function is raised for processes that make many
+    compiles two, three over bf16 weights (Engine.warm_up); the limit of graphs per function is raised for processes that make many
     engines. The options are read when a graph is compiled, inside the call: hence the
     patch around it (torch.compile's options= does not reach freezing). With freeze the
     step's paged kernel is also the hand-written one (attention_for), which reads the pool
