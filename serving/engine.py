@@ -96,6 +96,9 @@ class Engine:
         self.admitting = threading.Lock()  # one submit at a time: the queue's bound holds
         self.wakeup = threading.Condition()
         self.thread, self.stopping = None, False
+        # each called on the engine's thread once a pass's outputs (or the cancellations')
+        # are all handed to on_output: a server sends them then (server.HandOut)
+        self.after_hand_out = []
         self.peak_blocks, self.steps = 0, 0
         self.proposed_tokens = self.accepted_tokens = 0  # speculative decoding, summed over requests
 
@@ -181,11 +184,13 @@ class Engine:
             self.scheduler.add(self.inbox.popleft())
         while self.cancelled:
             self.finish(self.cancelled.popleft(), "cancelled")
+        self.handed_out()  # the cancellations' last outputs, if any
         passes = self.scheduler.schedule()                     # 1. schedule
         if not passes:
             return False
         for batch in passes:
             self.run_pass(batch)
+            self.handed_out()
         self.steps += 1
         return True
 
@@ -227,6 +232,10 @@ class Engine:
                   "length" if request.num_generated >= request.params.max_tokens else None)
         request.text.done = reason is not None  # at the end, nothing is held back
         self.deliver(request, token, reason, logprob)
+
+    def handed_out(self):
+        for hook in self.after_hand_out:
+            hook()
 
     def finish(self, request, reason):
         """Retire a request that did not end by itself (cancelled, or a failed step)."""
@@ -322,6 +331,7 @@ class Engine:
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
             request.error = message
             self.finish(request, "error")
+        self.handed_out()
 
     def stats(self):
         return {"running": len(self.scheduler.running), "waiting": self.num_waiting(),

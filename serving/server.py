@@ -29,10 +29,11 @@ this file is the HTTP side: routes, streaming, the API key, and the server's own
 (BackgroundServer).
 
 The HTTP side (aiohttp, on an asyncio event loop in its own thread) and the engine
-(serve.py runs it on the main thread) meet in two places: engine.submit /
-engine.cancel, and on_output, which the engine calls from its thread and which puts each
-Output on the request's asyncio.Queue, through HandOut: one loop.call_soon_threadsafe for
-all the Outputs of a step, not one each. A client that
+(serve.py runs it on the main thread) meet in three places: engine.submit /
+engine.cancel; on_output, which the engine calls from its thread and which puts each
+Output for the request's asyncio.Queue in HandOut; and engine.after_hand_out, called once a
+pass's Outputs are all put, when HandOut wakes the loop once for them all and waits for it
+to send them (the interpreter lock: HandOut says why). A client that
 goes away is noticed by aiohttp (the handler is cancelled, or its next write fails) and
 its requests are cancelled at once: their blocks return to the pool at the engine's next
 step.
@@ -179,29 +180,53 @@ def nested_deeper_than(value, limit):
 # ---------------------------------------------------------------------------- the routes
 
 class HandOut:
-    """Outputs from the engine's thread to the requests' asyncio queues, one wake-up of the
-    event loop for as many as are ready. call_soon_threadsafe writes to the loop's wake-up
-    pipe (a system call) and queues a callback, on every call; a step of 64 streams made 64
-    of each. Here the first Output since the last hand-out asks for one, and the rest join
-    it in the deque."""
+    """Outputs from the engine's thread to the requests' asyncio queues, a pass's at a time,
+    and the engine waits while the event loop sends them.
+
+    A pass's outputs go together: call_soon_threadsafe writes to the loop's wake-up pipe (a
+    system call) and queues a callback on every call, and a step of 64 streams made 64 of
+    each. The engine waits because the two threads share the interpreter lock, and the
+    compiled step holds it through each of its C++ kernels (inductor calls them with the
+    lock held; only aten's operators, the matmuls, let it go). An event loop writing 64
+    streams while the next step runs takes the lock from the engine for up to the
+    interpreter's switch interval (5 ms) at a time: a step of 64 streams on the bundled
+    model took 12-15 ms in the server against 8.7 in process. Sending first, then stepping
+    with the lock to itself, the step takes 8.7-9.0 ms and the sending ~2 ms (the
+    2-core Zen 4, docs/serving.md). The wait is bounded (SEND_WAIT_S): a loop that is
+    busy elsewhere delays a step by that much at most."""
+    SEND_WAIT_S = 0.02
+    # One output alone (one stream) is sent while the next step runs: waiting for it cost
+    # more (two thread wake-ups) than sharing the lock did, a lone stream's tokens/s
+    # ~0.8x; from two streams on, the wait paid (docs/serving.md)
+    WAIT_FROM = 2
 
     def __init__(self):
-        self.pending, self.scheduled = deque(), False
+        self.pending, self.loop = deque(), None
+        self.sent = threading.Event()
 
-    def put(self, loop, queue, item):  # the engine's thread
+    def put(self, loop, queue, item):  # the engine's thread, during a pass
+        self.loop = loop  # the server's one loop
         self.pending.append((queue, item))
-        if not self.scheduled:  # read after the append: a drain that has begun will see it
-            self.scheduled = True
-            try:
-                loop.call_soon_threadsafe(self.drain)
-            except RuntimeError:
-                pass  # the event loop has closed: the server is shutting down
+
+    def flush(self):  # the engine's thread, once a pass's outputs are all put
+        if not self.pending:
+            return
+        wait = len(self.pending) >= self.WAIT_FROM
+        self.sent.clear()
+        try:
+            self.loop.call_soon_threadsafe(self.drain)
+        except RuntimeError:  # the event loop has closed: the server has stopped
+            self.pending.clear()
+            return
+        if wait:
+            self.sent.wait(self.SEND_WAIT_S)
 
     def drain(self):  # the event loop's thread
-        self.scheduled = False  # before emptying: what comes later asks for another drain
         while self.pending:
             queue, item = self.pending.popleft()
-            queue.put_nowait(item)
+            queue.put_nowait(item)  # wakes the stream waiting on it: soon, in this order
+        # after the streams' wake-ups in the loop's queue: runs once each has sent
+        self.loop.call_soon(self.sent.set)
 
 
 class CompletionServer:
@@ -220,6 +245,7 @@ class CompletionServer:
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine)
         self.hand_out = HandOut()
+        engine.after_hand_out.append(self.hand_out.flush)
         # engine request -> (its reply's id, choice index), for /v1/cache; an entry goes
         # with its request
         self.reply_ids = weakref.WeakKeyDictionary()

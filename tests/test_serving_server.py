@@ -270,11 +270,12 @@ def test_the_benchmarks_load_test_against_a_running_server(server):
         run_url(url.removesuffix("/v1"), requests)
 
 
-def test_hand_out_delivers_every_output_in_order_with_fewer_wakeups():
-    """HandOut from another thread: every item reaches its queue, in the order put; items
-    put while a hand-out is pending share its one call_soon_threadsafe, and an item put
-    after a drain asks for a new one. The loop is held busy while the items are put, so
-    the count of wake-ups does not depend on how the two threads happen to interleave."""
+def test_hand_out_sends_a_pass_at_a_time_and_waits_for_the_sends():
+    """HandOut from another thread (the engine's): items put during a pass reach no queue
+    before flush; flush wakes the loop once for them all, every item reaches its queue in
+    the order put, and flush returns once the streams they woke have run (each consumer has
+    taken its items), so the engine steps again with the interpreter lock to itself. The
+    wait's bound is raised here: a slow machine must not turn the check into a race."""
     import asyncio
     import threading
 
@@ -282,7 +283,7 @@ def test_hand_out_delivers_every_output_in_order_with_fewer_wakeups():
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever)
     thread.start()
-    wakeups = []
+    wakeups, got, consumers = [], [[], []], []
     real = loop.call_soon_threadsafe
 
     def counted(callback, *args):
@@ -290,33 +291,46 @@ def test_hand_out_delivers_every_output_in_order_with_fewer_wakeups():
             wakeups.append(1)
         return real(callback, *args)
 
-    def put_while_the_loop_is_busy(hand_out, queues, steps):
-        busy, release = threading.Event(), threading.Event()
-        real(lambda: (busy.set(), release.wait(10)))
-        assert busy.wait(10)
+    async def consume(i, queue):
+        while True:
+            got[i].append(await queue.get())
+
+    async def start_consumers():
+        queues = [asyncio.Queue(), asyncio.Queue()]
+        consumers.extend(asyncio.ensure_future(consume(i, queue)) for i, queue in enumerate(queues))
+        return queues
+
+    async def stop_consumers():
+        for task in consumers:
+            task.cancel()
+        await asyncio.gather(*consumers, return_exceptions=True)
+
+    def a_pass(hand_out, queues, steps):
         for step in steps:  # a step: one item for each of the two streams
             for i, queue in enumerate(queues):
                 hand_out.put(loop, queue, (i, step))
-        release.set()
-
-    async def collect(queue, count):
-        return [await queue.get() for _ in range(count)]
     loop.call_soon_threadsafe = counted
     try:
-        queues = [asyncio.Queue(), asyncio.Queue()]
+        queues = asyncio.run_coroutine_threadsafe(start_consumers(), loop).result(timeout=10)
         hand_out = HandOut()
-        put_while_the_loop_is_busy(hand_out, queues, range(200))
-        for i, queue in enumerate(queues):
-            got = asyncio.run_coroutine_threadsafe(collect(queue, 200), loop).result(timeout=10)
-            assert got == [(i, step) for step in range(200)]
+        hand_out.SEND_WAIT_S = 60
+        a_pass(hand_out, queues, range(200))
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.01), loop).result(timeout=10)
+        assert got == [[], []] and wakeups == []  # put, not yet handed to the loop
+        hand_out.flush()
+        assert got == [[(i, step) for step in range(200)] for i in range(2)]
         assert len(wakeups) == 1  # 400 items, one wake-up
-        put_while_the_loop_is_busy(hand_out, queues, range(200, 210))
-        for i, queue in enumerate(queues):
-            got = asyncio.run_coroutine_threadsafe(collect(queue, 10), loop).result(timeout=10)
-            assert got == [(i, step) for step in range(200, 210)]
-        assert len(wakeups) == 2  # the drain done, the next item asked for its own
+        a_pass(hand_out, queues, range(200, 210))
+        hand_out.flush()
+        assert got == [[(i, step) for step in range(210)] for i in range(2)]
+        assert len(wakeups) == 2
+        hand_out.flush()  # nothing put: nothing to wake the loop for
+        assert len(wakeups) == 2
     finally:
         loop.call_soon_threadsafe = real
+        asyncio.run_coroutine_threadsafe(stop_consumers(), loop).result(timeout=10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
+    a_pass(hand_out, queues, range(3))
+    hand_out.flush()  # the loop closed (a server shutting down): no error, no wait

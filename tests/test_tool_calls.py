@@ -123,6 +123,7 @@ class ScriptedEngine:
         config = SimpleNamespace(context_len=CONTEXT, n_layer=1, n_kv_head=1, head_dim=2)
         self.model = SimpleNamespace(config=config, lm_head=SimpleNamespace(weight=torch.zeros(2, 2)))
         self.pool = BlockPool(config, num_blocks=CONTEXT // 16)  # for /v1/cache's formula
+        self.after_hand_out = []  # the server's HandOut.flush: called once the outputs are out
 
     def submit(self, prompts, samples, on_output, processors=None):
         self.samples = samples
@@ -136,6 +137,8 @@ class ScriptedEngine:
             for k, piece in enumerate(pieces):
                 r.num_generated += 1
                 on_output(r, Output(piece, finish_reason="stop" if k == len(pieces) - 1 else None))
+        for hook in self.after_hand_out:
+            hook()
 
     def cancel(self, request):
         pass
