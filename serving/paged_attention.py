@@ -192,10 +192,10 @@ def compiled_decode_step(model, tokens, positions, kv, read_slots, write_slots, 
     weights it was compiled with, so a model's weights must not change while an engine
     serves it, and each model is a graph of its own (compiled again for every model, timing
     its matmuls: a minute or more per engine in a process that makes many, hence not the
-    default). A server
-    compiles two, three over bf16 weights (Engine.warm_up); the limit of graphs per function is raised for processes that make many
-    engines. The options are read when a graph is compiled, inside the call: hence the
-    patch around it (torch.compile's options= does not reach freezing). With freeze the
+    default). A server compiles two, three over bf16 weights (Engine.warm_up); the limit of
+    graphs per function is raised for processes that make many engines. The options are
+    read when a graph is compiled, inside the call: hence the patch around it
+    (torch.compile's options= does not reach freezing). With freeze the
     step's paged kernel is also the hand-written one (attention_for), which reads the pool
     nearer the memory's speed (docs/serving.md). fmt: the pool's format (decode_step)."""
     if freeze not in _compiled:

@@ -183,17 +183,16 @@ class HandOut:
     """Outputs from the engine's thread to the requests' asyncio queues, a pass's at a time,
     and the engine waits while the event loop sends them.
 
-    A pass's outputs go together: call_soon_threadsafe writes to the loop's wake-up pipe (a
-    system call) and queues a callback on every call, and a step of 64 streams made 64 of
-    each. The engine waits because the two threads share the interpreter lock, and the
-    compiled step holds it through each of its C++ kernels (inductor calls them with the
-    lock held; only aten's operators, the matmuls, let it go). An event loop writing 64
-    streams while the next step runs takes the lock from the engine for up to the
-    interpreter's switch interval (5 ms) at a time: a step of 64 streams on the bundled
-    model took 12-15 ms in the server against 8.7 in process. Sending first, then stepping
-    with the lock to itself, the step takes 8.7-9.0 ms and the sending ~2 ms (the
-    2-core Zen 4, docs/serving.md). The wait is bounded (SEND_WAIT_S): a loop that is
-    busy elsewhere delays a step by that much at most."""
+    Together, because call_soon_threadsafe writes to the loop's wake-up pipe (a system call)
+    and queues a callback on every call: one per output would be 64 of each per step of 64
+    streams. The wait, because the two threads share the interpreter lock and the compiled
+    step holds it through each of its C++ kernels (inductor calls them with the lock held;
+    only aten's operators, the matmuls, let it go): a loop writing 64 streams while a step
+    runs takes the lock from the engine for up to the switch interval (5 ms) at a time, and
+    the step of 64 streams on the bundled model goes from 8.7 ms to 12-15 (docs/serving.md,
+    "Why the engine waits for the sends"). Sending first, then stepping with the lock to
+    itself, costs ~2 ms a step. The wait is bounded (SEND_WAIT_S): a loop that is busy
+    elsewhere delays a step by that much at most."""
     SEND_WAIT_S = 0.02
     # One output alone (one stream) is sent while the next step runs: waiting for it cost
     # more (two thread wake-ups) than sharing the lock did, a lone stream's tokens/s
@@ -212,6 +211,7 @@ class HandOut:
         if not self.pending:
             return
         wait = len(self.pending) >= self.WAIT_FROM
+        # a drain left over from a wait that timed out may set it early: a shorter wait, no harm
         self.sent.clear()
         try:
             self.loop.call_soon_threadsafe(self.drain)
